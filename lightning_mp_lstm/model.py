@@ -1,0 +1,262 @@
+"""The bucketed multi-layer LSTM language model, built from named blocks a strategy can split.
+
+Blocks, in model order: ``embedding``, ``lstm.0`` ... ``lstm.{N-1}``, ``decoder``. Removing blocks
+(:meth:`LSTMLanguageModel.keep_blocks`) never renames a parameter, so one checkpoint serves every layout.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LSTMLanguageModel", "block_names", "perplexity", "prediction_from_logits", "token_loss_sum"]
+
+
+def block_names(num_layers: int) -> list[str]:
+    """Names of the blocks of a ``num_layers`` model, in model order."""
+    return ["embedding", *(f"lstm.{i}" for i in range(num_layers)), "decoder"]
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over real (non-padding, id != 0) target tokens."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=0, reduction="sum")
+
+
+class _Embedding(nn.Embedding):
+    def __init__(self, vocab_size: int, embedding_dim: int, dropout: float) -> None:
+        super().__init__(vocab_size, embedding_dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.dropout(super().forward(tokens))
+
+
+class _LSTMLayer(nn.LSTM):
+    """One LSTM layer; batch-first in and out, contiguous output, dropout on the output."""
+
+    def __init__(self, input_size: int, hidden_size: int, dropout: float) -> None:
+        super().__init__(input_size, hidden_size, batch_first=True)
+        self.output_dropout = nn.Dropout(dropout)  # nn.LSTM owns the name ``dropout``
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out, _ = super().forward(x)
+        return self.output_dropout(out).contiguous()
+
+
+class _Decoder(nn.Linear):
+    pass
+
+
+class LSTMLanguageModel(pl.LightningModule):
+    """Embedding, ``num_layers`` LSTM layers and a decoder, as named, separable blocks.
+
+    The loss of a batch is the sum of token cross-entropies over real (unpadded) tokens divided by the
+    number of real tokens in the whole batch. When a pipeline strategy is attached (``self.pipeline``),
+    the same quantities come from the pipeline instead of a local forward pass.
+
+    Args:
+        vocab_size: size of the vocabulary (id 0 is padding).
+        embedding_dim: width of the word embedding.
+        hidden_size: width of every LSTM layer.
+        num_layers: number of LSTM layers, each its own block ``lstm.i``.
+        dropout: dropout on the embedding and on every LSTM output.
+        tie_weights: share the embedding matrix with the decoder (needs ``embedding_dim == hidden_size``).
+        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+        lr: learning rate.
+        momentum: SGD momentum.
+        weight_decay: weight decay.
+        lr_decay: multiplicative learning-rate decay per epoch (1.0 = constant).
+        init_range: parameters are drawn from ``uniform(-init_range, init_range)`` (the seed's init);
+            ``None`` keeps PyTorch's defaults.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embedding_dim: int = 200,
+        hidden_size: int = 200,
+        num_layers: int = 2,
+        dropout: float = 0.0,
+        tie_weights: bool = False,
+        optimizer: str = "sgd",
+        lr: float = 1.0,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        lr_decay: float = 1.0,
+        init_range: float | None = 0.1,
+    ) -> None:
+        super().__init__()
+        if tie_weights and embedding_dim != hidden_size:
+            raise ValueError(
+                f"tie_weights=True needs embedding_dim == hidden_size, got {embedding_dim} and {hidden_size}"
+            )
+        if optimizer.lower() not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"unknown optimizer {optimizer!r}; allowed: sgd, adam, adamw")
+        self.save_hyperparameters()
+        self.embedding: nn.Module | None = _Embedding(vocab_size, embedding_dim, dropout)
+        self.lstm = nn.ModuleDict(
+            {str(i): _LSTMLayer(embedding_dim if i == 0 else hidden_size, hidden_size, dropout) for i in range(num_layers)}
+        )
+        self.decoder: nn.Module | None = _Decoder(hidden_size, vocab_size)
+        if init_range is not None:
+            for p in self.parameters():
+                nn.init.uniform_(p, -init_range, init_range)
+        if tie_weights:
+            self.decoder.weight = self.embedding.weight
+        #: Set by a pipeline strategy; ``None`` means a plain local forward pass.
+        self.pipeline: Any = None
+        self._last_step_time: float | None = None
+        self._eval_sums: dict[str, tuple[float, int]] = {}
+
+    # ----- blocks ---------------------------------------------------------------------------------
+    @property
+    def block_names(self) -> list[str]:
+        """All block names of the full model, in order (also after pruning)."""
+        return block_names(self.hparams.num_layers)
+
+    def blocks(self, names: list[str] | None = None) -> list[tuple[str, nn.Module]]:
+        """The present blocks (optionally only ``names``), in model order."""
+        present = []
+        for name in self.block_names:
+            module = self._block(name)
+            if module is not None and (names is None or name in names):
+                present.append((name, module))
+        if names is not None:
+            missing = sorted(set(names) - {n for n, _ in present})
+            if missing:
+                raise KeyError(f"blocks {missing} are not on this model; present: {[n for n, _ in present]}")
+        return present
+
+    def _block(self, name: str) -> nn.Module | None:
+        if name.startswith("lstm."):
+            return self.lstm[name[5:]] if name[5:] in self.lstm else None
+        return getattr(self, name)
+
+    def keep_blocks(self, names: list[str]) -> None:
+        """Remove every block not in ``names``; parameter names of the kept blocks do not change."""
+        unknown = sorted(set(names) - set(self.block_names))
+        if unknown:
+            raise KeyError(f"unknown block names {unknown}; valid: {self.block_names}")
+        for name in self.block_names:
+            if name in names:
+                continue
+            if name.startswith("lstm."):
+                if name[5:] in self.lstm:
+                    del self.lstm[name[5:]]
+            else:
+                setattr(self, name, None)
+
+    # ----- computation ----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the present blocks in order (the full model maps token ids to logits)."""
+        for _, block in self.blocks():
+            x = block(x)
+        return x
+
+    def _local_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = batch[0], batch[1]
+        n_tokens = (targets != 0).sum()
+        loss = token_loss_sum(self(inputs), targets) / n_tokens.clamp(min=1)
+        return loss, n_tokens
+
+    def batch_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean token loss of a batch and its number of real tokens.
+
+        In training under a pipeline strategy the backward pass has already run when this returns.
+        """
+        if self.pipeline is not None:
+            return self.pipeline.run(batch, train=self.training and torch.is_grad_enabled())
+        return self._local_loss(batch)
+
+    # ----- Lightning hooks ------------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, n_tokens = self.batch_loss(batch)
+        size = int(batch[0].shape[0])
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            self.log("train/tokens_per_s", n_tokens.float() / (now - self._last_step_time), prog_bar=True, batch_size=size)
+        self._last_step_time = now
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._last_step_time = None
+
+    def _eval_step(self, batch: Any, prefix: str) -> torch.Tensor:
+        loss, n_tokens = self.batch_loss(batch)
+        # Weight each batch by its real tokens so the epoch value is the corpus-level token mean.
+        self.log(f"{prefix}/loss", loss, batch_size=int(n_tokens), prog_bar=prefix == "val")
+        total, count = self._eval_sums.get(prefix, (0.0, 0))
+        self._eval_sums[prefix] = (total + float(loss) * int(n_tokens), count + int(n_tokens))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, "test")
+
+    def on_validation_epoch_start(self) -> None:
+        self._eval_sums.pop("val", None)
+
+    def on_test_epoch_start(self) -> None:
+        self._eval_sums.pop("test", None)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_perplexity("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_perplexity("test")
+
+    def _log_perplexity(self, prefix: str) -> None:
+        total, count = self._eval_sums.get(prefix, (0.0, 0))
+        if count:
+            self.log(f"{prefix}/ppl", perplexity(total / count), prog_bar=prefix == "val")
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
+        """Per-token log-probability of each target and the most likely next token.
+
+        Returns:
+            dict with ``log_probs`` (B, T) float, ``next_token`` (B, T) int64 and ``mask`` (B, T) bool
+            (True on real tokens).
+        """
+        if self.pipeline is not None:
+            return self.pipeline.predict(batch)
+        return prediction_from_logits(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        name = hp.optimizer.lower()
+        if name == "sgd":
+            opt = torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        elif name == "adam":
+            opt = torch.optim.Adam(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        else:
+            opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        if hp.lr_decay == 1.0:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, gamma=hp.lr_decay)}
+
+
+def prediction_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Turn (B, T, V) logits and (B, T) targets into the predict-step dictionary."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    target_log_probs = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    mask = targets != 0
+    return {
+        "log_probs": target_log_probs.masked_fill(~mask, 0.0),
+        "next_token": log_probs.argmax(-1),
+        "mask": mask,
+    }
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` guarded against overflow."""
+    return math.exp(min(loss, 700.0))

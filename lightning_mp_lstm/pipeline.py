@@ -1,0 +1,280 @@
+"""Pipeline stages of the LSTM language model and the per-bucket schedules that run them.
+
+One :class:`PipelineRunner` per process. It owns this process's stage modules (views onto the blocks of
+the pruned :class:`~lightning_mp_lstm.model.LSTMLanguageModel`, so parameters are shared, never copied)
+and creates one ``PipelineStage`` + schedule per distinct batch shape, lazily, cached: a stage sizes its
+receive buffers at its first step and cannot serve another shape afterwards (the MXNet
+"one executor per bucket" idea).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from lightning_mp_lstm.layout import ParallelLayout
+from lightning_mp_lstm.model import prediction_from_logits, token_loss_sum
+
+__all__ = ["PipelineRunner", "StageModule", "all_reduce_gradients", "build_pipeline", "pad_rows"]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    The gradient a stage sends upstream must be contiguous (gloo refuses views); the gradient of a
+    batch-first LSTM input is a transposed view.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class StageModule(nn.Module):
+    """A contiguous run of model blocks acting as one pipeline stage.
+
+    Args:
+        blocks: ``(name, module)`` pairs in model order; the modules are shared, not copied.
+    """
+
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        self.block_names = [name for name, _ in blocks]
+        self.blocks = nn.ModuleList(module for _, module in blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.requires_grad:
+            x = _ContiguousGrad.apply(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.contiguous()
+
+
+def pad_rows(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Append all-padding (id 0) rows so the batch dimension is a multiple of ``multiple``.
+
+    Padding rows hold no real token, so they change neither the loss sum nor the token count.
+    """
+    extra = -tensor.shape[0] % multiple
+    if not extra:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
+
+
+class PipelineRunner:
+    """Runs training, evaluation and prediction batches through this process's pipeline stages.
+
+    Args:
+        stage_modules: global stage index -> :class:`StageModule`, for the stages this process holds.
+        layout: the validated parallel layout.
+        pipeline_group: process group of this replica's pipeline (``None`` when pipeline size is 1).
+        data_parallel_group: process group of the replicas of this pipeline rank (``None`` when 1 replica).
+        device: device of this process.
+        accumulate_grad_batches: returns the current gradient-accumulation factor; the training loss is
+            divided by it like Lightning divides an automatic-optimization loss.
+    """
+
+    def __init__(
+        self,
+        stage_modules: dict[int, StageModule],
+        layout: ParallelLayout,
+        pipeline_group: dist.ProcessGroup | None,
+        data_parallel_group: dist.ProcessGroup | None,
+        device: torch.device,
+        accumulate_grad_batches: Callable[[], int] = lambda: 1,
+    ) -> None:
+        self.stage_modules = stage_modules
+        self.layout = layout
+        self.pipeline_group = pipeline_group
+        self.data_parallel_group = data_parallel_group
+        self.device = device
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self._schedules: dict[tuple[int, int, str], Any] = {}
+        self._divisor = torch.ones((), device=device)
+        last = layout.num_stages - 1
+        self.has_first_stage = 0 in stage_modules
+        self.has_last_stage = last in stage_modules
+        # Pipeline rank that holds the last stage: the last rank, except for V-shaped schedules.
+        self._last_stage_rank = 0 if layout.style == "v" else layout.pipeline_parallel_size - 1
+
+    # ----- public ----------------------------------------------------------------------------------
+    def run(self, batch: Any, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss (mean over the global batch's real tokens) and global real-token count of ``batch``.
+
+        With ``train=True`` the backward pass runs too: gradients of this process's parameters are
+        accumulated into ``.grad`` (summed, not yet reduced across data-parallel replicas).
+        """
+        inputs, targets = self._padded(batch)
+        n_tokens = self._all_reduce_dp((targets != 0).sum())
+        scale = self.accumulate_grad_batches() if train else 1
+        self._divisor = (n_tokens * scale).clamp(min=1).to(torch.float32)
+        losses: list[torch.Tensor] = []
+        if self.layout.pipeline_parallel_size == 1:
+            loss = self._run_local(inputs, targets, train)
+        else:
+            schedule = self._schedule(inputs.shape, "train" if train else "eval")
+            args = (inputs,) if self.has_first_stage else ()
+            target = targets if self.has_last_stage else None
+            if train:
+                schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                with torch.no_grad():
+                    schedule.eval(*args, target=target, losses=losses)
+            loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
+            loss = self._broadcast_from_last(loss)
+        loss = self._all_reduce_dp(loss) * scale
+        return loss, n_tokens
+
+    def predict(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Per-token target log-probabilities and next-token ids, identical on every rank.
+
+        Every rank of the replica receives its shard's result; with several replicas the shards are
+        gathered in replica order, so global rank 0 holds the whole global batch.
+        """
+        rows = int(batch[0].shape[0])
+        inputs, targets = self._padded(batch)
+        if self.layout.pipeline_parallel_size == 1:
+            with torch.no_grad():
+                result = prediction_from_logits(self._local_forward(inputs), targets)
+            log_probs, next_token = result["log_probs"], result["next_token"]
+        else:
+            schedule = self._schedule(inputs.shape, "predict")
+            with torch.no_grad():
+                logits = schedule.eval(*((inputs,) if self.has_first_stage else ()))
+            if self.has_last_stage and logits is not None:
+                result = prediction_from_logits(logits, targets)
+                log_probs, next_token = result["log_probs"], result["next_token"]
+            else:
+                log_probs = torch.empty(targets.shape, dtype=torch.float32, device=self.device)
+                next_token = torch.empty_like(targets)
+            log_probs = self._broadcast_from_last(log_probs)
+            next_token = self._broadcast_from_last(next_token)
+        out = {"log_probs": log_probs[:rows], "next_token": next_token[:rows], "mask": targets[:rows] != 0}
+        if self.data_parallel_group is not None and self.layout.data_parallel_size > 1:
+            shards: list[Any] = [None] * self.layout.data_parallel_size
+            dist.all_gather_object(shards, {k: v.cpu() for k, v in out.items()}, group=self.data_parallel_group)
+            out = {k: torch.cat([s[k] for s in shards]).to(self.device) for k in out}
+        return out
+
+    @property
+    def cached_shapes(self) -> list[tuple[int, int, str]]:
+        """Keys ``(batch, length, mode)`` of the stages + schedules built so far."""
+        return sorted(self._schedules)
+
+    # ----- helpers ---------------------------------------------------------------------------------
+    def _padded(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.layout.n_microbatches
+        return pad_rows(batch[0], m), pad_rows(batch[1], m)
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, targets) / self._divisor
+
+    def _local_forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        (module,) = self.stage_modules.values()
+        return module(inputs)
+
+    def _run_local(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        with torch.set_grad_enabled(train):
+            for x, y in zip(inputs.chunk(self.layout.n_microbatches), targets.chunk(self.layout.n_microbatches)):
+                loss = self._loss_fn(self._local_forward(x), y)
+                if train:
+                    loss.backward()
+                total = total + loss.detach()
+        return total
+
+    def _schedule(self, shape: torch.Size, mode: str) -> Any:
+        key = (int(shape[0]), int(shape[1]), mode)
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            schedule = self._build_schedule(with_loss=mode != "predict")
+            self._schedules[key] = schedule
+        return schedule
+
+    def _build_schedule(self, with_loss: bool) -> Any:
+        layout = self.layout
+        stages = [
+            PipelineStage(module, index, layout.num_stages, self.device, group=self.pipeline_group)
+            for index, module in self.stage_modules.items()
+        ]
+        schedule_cls = get_schedule_class(layout.schedule)
+        loss_fn = self._loss_fn if with_loss else None
+        target = stages[0] if layout.style == "single" else stages
+        return schedule_cls(target, layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def _broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        dist.broadcast(tensor, group=self.pipeline_group, group_src=self._last_stage_rank)
+        return tensor
+
+    def _all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.data_parallel_group is None or self.layout.data_parallel_size == 1:
+            return tensor
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=self.data_parallel_group)
+        return tensor
+
+
+def build_pipeline(
+    model: Any,
+    layout: ParallelLayout,
+    partition: list[list[str]],
+    pipeline_rank: int,
+    pipeline_group: dist.ProcessGroup | None,
+    data_parallel_group: dist.ProcessGroup | None,
+    device: torch.device,
+    accumulate_grad_batches: Callable[[], int] = lambda: 1,
+) -> PipelineRunner:
+    """Prune ``model`` to the blocks of ``pipeline_rank``'s stages and attach a runner to it.
+
+    Args:
+        model: an :class:`~lightning_mp_lstm.model.LSTMLanguageModel` (pruned in place; parameter names kept).
+        layout: the validated layout.
+        partition: block names of every stage (``layout.num_stages`` lists).
+        pipeline_rank: this process's rank within its pipeline.
+        pipeline_group: process group of the pipeline.
+        data_parallel_group: process group of this pipeline rank's replicas.
+        device: this process's device.
+        accumulate_grad_batches: see :class:`PipelineRunner`.
+
+    Returns:
+        The runner, also stored as ``model.pipeline``.
+    """
+    stage_ids = layout.stage_indices(pipeline_rank)
+    model.keep_blocks([name for s in stage_ids for name in partition[s]])
+    model.pipeline = PipelineRunner(
+        stage_modules={s: StageModule(model.blocks(partition[s])) for s in stage_ids},
+        layout=layout,
+        pipeline_group=pipeline_group,
+        data_parallel_group=data_parallel_group,
+        device=device,
+        accumulate_grad_batches=accumulate_grad_batches,
+    )
+    return model.pipeline
+
+
+def all_reduce_gradients(parameters: Any, group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of ``parameters`` over ``group`` in one flat all-reduce.
+
+    Called once per optimizer step across data-parallel replicas: each replica's loss is already
+    divided by the global token count, so the sum is the gradient of the global batch's mean loss.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads or group is None or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,408 @@
+"""``MPLSTMStrategy``: pipeline (x data) parallel training of the LSTM language model in Lightning.
+
+Shaped like Lightning's ``ModelParallelStrategy``: Lightning's launchers and cluster environments start
+the processes, the accelerator picks device and backend (gloo on CPU, nccl on CUDA), the precision plugin
+and checkpoint IO are Lightning's. What is ours: the layout (a ``DeviceMesh`` with ``data_parallel`` and
+``pipeline_parallel`` dimensions), pruning the model to this process's blocks, running each batch through
+``torch.distributed.pipelining`` schedules, and the reductions a split model needs (gradients across
+replicas once per optimizer step, the clipping norm across stages, name-keyed checkpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_mp_lstm import checkpoint as ckpt
+from lightning_mp_lstm.layout import LayoutError, ParallelLayout
+from lightning_mp_lstm.partition import PartitionError, even_partition, validate_partition
+from lightning_mp_lstm.pipeline import all_reduce_gradients, build_pipeline
+
+__all__ = ["MPLSTMStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class MPLSTMStrategy(ParallelStrategy):
+    """Split an :class:`~lightning_mp_lstm.model.LSTMLanguageModel` into pipeline stages across processes.
+
+    ``Trainer(strategy="mp_lstm", devices=4)`` runs a 4-stage pipeline; ``data_parallel_size`` replicates
+    the pipeline. Losses and gradients equal one process on the same global batch.
+
+    Args:
+        pipeline_parallel_size: processes per pipeline; ``"auto"`` = world size / data_parallel_size.
+        data_parallel_size: number of pipeline replicas; data is sharded across replicas only.
+        stages_per_rank: pipeline stages per process (2 for interleaved and V-shaped schedules).
+        partition: block names per stage (``[["embedding", "lstm.0"], ["lstm.1", "decoder"]]``), or
+            ``None`` / ``"even"`` for an even split of blocks over stages.
+        schedule: one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
+            DualPipeV (case-insensitive).
+        n_microbatches: microbatches per replica batch; default: the number of stages.
+        timeout: process-group timeout (seconds or ``timedelta``): a crashed rank ends the run instead of
+            hanging it.
+        num_threads: CPU threads per process; ``"auto"`` shares the machine's cores between the local
+            processes. Ignored on GPUs.
+        process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
+    """
+
+    strategy_name = "mp_lstm"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int | str = "auto",
+        data_parallel_size: int = 1,
+        stages_per_rank: int = 1,
+        partition: Sequence[Sequence[str]] | str | None = None,
+        schedule: str = "1F1B",
+        n_microbatches: int | None = None,
+        timeout: float | timedelta = 300.0,
+        num_threads: int | str = "auto",
+        process_group_backend: str | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._pipeline_parallel_size = pipeline_parallel_size
+        self._data_parallel_size = data_parallel_size
+        self._stages_per_rank = stages_per_rank
+        self._partition_option = partition
+        self._schedule = schedule
+        self._n_microbatches = n_microbatches
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._num_threads = num_threads
+        self._process_group_backend = process_group_backend
+        self.num_nodes = 1
+        self._layout: ParallelLayout | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self._partition: list[list[str]] | None = None
+        if pipeline_parallel_size != "auto":
+            self._make_layout(int(pipeline_parallel_size) * int(data_parallel_size))
+
+    # ----- layout ----------------------------------------------------------------------------------
+    def _make_layout(self, world_size: int) -> ParallelLayout:
+        dp = int(self._data_parallel_size)
+        if self._pipeline_parallel_size == "auto":
+            if dp < 1 or world_size % dp:
+                raise LayoutError(
+                    f"data_parallel_size={dp} does not divide the world size {world_size}; "
+                    f"allowed: {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+                )
+            pp = world_size // dp
+        else:
+            pp = int(self._pipeline_parallel_size)
+        stages = pp * int(self._stages_per_rank)
+        layout = ParallelLayout(
+            data_parallel_size=dp,
+            pipeline_parallel_size=pp,
+            stages_per_rank=int(self._stages_per_rank),
+            schedule=self._schedule,
+            n_microbatches=int(self._n_microbatches or stages),
+        )
+        self._layout = layout
+        return layout
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The validated parallel layout (available once the world size is known)."""
+        if self._layout is None:
+            raise RuntimeError("the layout is known once the processes are set up")
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(data_parallel, pipeline_parallel)`` device mesh."""
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the process group is initialized")
+        return self._device_mesh
+
+    @property
+    def partition(self) -> list[list[str]]:
+        """Block names of every pipeline stage, in stage order (known after ``setup``)."""
+        if self._partition is None:
+            raise RuntimeError("the partition is resolved in setup()")
+        return self._partition
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.layout.coordinates(self.global_rank)[1]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.layout.coordinates(self.global_rank)[0]
+
+    # ----- Lightning plumbing ----------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # The data module shards by data-parallel replica itself. A DistributedSampler injected by
+        # Lightning would also shard across pipeline stages, which must all see the same batch.
+        return False
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.layout.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model must be pruned and the optimizers built before state is loaded
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        layout = self._make_layout(self.world_size) if self._pipeline_parallel_size == "auto" else self.layout
+        layout.check_world_size(self.world_size)
+        self._set_num_threads()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        if self._device_mesh is None:
+            self._device_mesh = init_device_mesh(
+                self.root_device.type,
+                (layout.data_parallel_size, layout.pipeline_parallel_size),
+                mesh_dim_names=("data_parallel", "pipeline_parallel"),
+            )
+
+    def _set_num_threads(self) -> None:
+        if self.root_device.type != "cpu":
+            return
+        if self._num_threads == "auto":
+            threads = max(1, (os.cpu_count() or 1) // max(1, self.num_processes))
+        else:
+            threads = int(self._num_threads)
+        torch.set_num_threads(threads)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        model = self.lightning_module
+        if not hasattr(model, "keep_blocks") or not hasattr(model, "block_names"):
+            raise TypeError(
+                f"{type(self).__name__} splits models made of named blocks, such as "
+                f"lightning_mp_lstm.LSTMLanguageModel; got {type(model).__name__}"
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"precision {type(self.precision_plugin).__name__} with a gradient scaler is not supported: "
+                "the pipeline runs backward itself; use precision='32-true' or 'bf16-mixed'"
+            )
+        layout = self.layout
+        self._partition = self._resolve_partition(model.block_names, layout.num_stages)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_batch_size(trainer)
+        self._check_tied_weights(model)
+        mesh = self.device_mesh
+        build_pipeline(
+            model,
+            layout,
+            self._partition,
+            self.pipeline_rank,
+            pipeline_group=mesh["pipeline_parallel"].get_group(),
+            data_parallel_group=mesh["data_parallel"].get_group(),
+            device=self.root_device,
+            accumulate_grad_batches=lambda: trainer.accumulate_grad_batches,
+        )
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # Lightning clips each process's gradients on their own; a split model needs the global norm.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        if self.global_rank == 0:
+            log.info("mp_lstm layout %s, partition %s", layout, self._partition)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _resolve_partition(self, names: list[str], num_stages: int) -> list[list[str]]:
+        option = self._partition_option
+        if option is None or (isinstance(option, str) and option == "even"):
+            return even_partition(names, num_stages)
+        if isinstance(option, str):
+            raise PartitionError(f"unknown partition {option!r}; allowed: 'even' or lists of block names per stage")
+        return validate_partition([list(stage) for stage in option], names, num_stages)
+
+    def _check_batch_size(self, trainer: pl.Trainer) -> None:
+        datamodule = trainer.datamodule
+        batch_size = getattr(datamodule, "batch_size", None)
+        if not isinstance(batch_size, int) or getattr(datamodule, "max_tokens", None):
+            return  # token-budget batches vary by bucket: ragged batches are padded with empty rows
+        dp = self.layout.data_parallel_size
+        if batch_size % dp:
+            raise LayoutError(
+                f"batch_size={batch_size} sentences must split evenly over data_parallel_size={dp} replicas"
+            )
+        self.layout.check_batch(batch_size // dp)
+
+    def _check_tied_weights(self, model: Any) -> None:
+        if not getattr(model.hparams, "tie_weights", False):
+            return
+        owner = {name: s for s, stage in enumerate(self.partition) for name in stage}
+        ranks = {self._rank_of_stage(owner["embedding"]), self._rank_of_stage(owner["decoder"])}
+        if len(ranks) > 1:
+            raise PartitionError(
+                "tie_weights=True needs 'embedding' and 'decoder' on the same process, but the partition puts "
+                f"them on stages {owner['embedding']} and {owner['decoder']} (pipeline ranks {sorted(ranks)}); "
+                "untie the weights or choose a partition / V-shaped schedule that co-locates them"
+            )
+
+    def _rank_of_stage(self, stage: int) -> int:
+        return next(r for r in range(self.layout.pipeline_parallel_size) if stage in self.layout.stage_indices(r))
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ----- optimization ----------------------------------------------------------------------------
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Fire the backward hooks; the pipeline schedule already ran backward inside ``training_step``."""
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()
+            self._reduce_data_parallel_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    def _reduce_data_parallel_gradients(self) -> None:
+        """Sum gradients over replicas, once per optimizer step.
+
+        Each replica's loss is already divided by the global token count, so the sum is the gradient of
+        the global batch's mean loss.
+        """
+        if self.layout.data_parallel_size > 1:
+            all_reduce_gradients(self.lightning_module.parameters(), self.device_mesh["data_parallel"].get_group())
+
+    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float | int) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.root_device)
+        squared = local.to(self.root_device, torch.float32).pow(2)
+        if self.layout.pipeline_parallel_size > 1:
+            dist.all_reduce(squared, group=self.device_mesh["pipeline_parallel"].get_group())
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, squared.sqrt())
+
+    # ----- collectives -----------------------------------------------------------------------------
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def block_backward_sync(self) -> Any:
+        return nullcontext()
+
+    # ----- checkpoints -----------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model's state dict on global rank 0 (empty elsewhere), gathered from all stages."""
+        parts = ckpt.gather_to_rank_zero(self.lightning_module.state_dict())
+        return {k: v for part in parts for k, v in part.items()} if parts is not None else {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Name-keyed optimizer state of every stage, merged on global rank 0 (empty elsewhere)."""
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        parts = ckpt.gather_to_rank_zero(ckpt.optimizer_state_by_name(inner, self.lightning_module))
+        return ckpt.merge_optimizer_states(parts) if parts is not None else {}
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module = self.lightning_module
+        module.load_state_dict(ckpt.local_model_state(module, checkpoint["state_dict"]), strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            ckpt.load_local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, state)
+
+    def teardown(self) -> None:
+        super().teardown()
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="pipeline (x data) parallel LSTM language model training"
+            )
