@@ -108,6 +108,7 @@ class MPLSTMStrategy(ParallelStrategy):
         self._layout: ParallelLayout | None = None
         self._device_mesh: DeviceMesh | None = None
         self._partition: list[list[str]] | None = None
+        self._batch_grads: list[Tensor | None] = []
         if pipeline_parallel_size != "auto":
             self._make_layout(int(pipeline_parallel_size) * int(data_parallel_size))
 
@@ -316,11 +317,31 @@ class MPLSTMStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ----- optimization ----------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the training step; the schedule computes this batch's gradients inside it.
+
+        Lightning zeroes gradients between the training step and ``backward``, so the batch's gradients
+        are set aside here and added in :meth:`backward`, exactly where a plain backward pass would add them.
+        """
+        params = list(self.lightning_module.parameters())
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        output = super().training_step(*args, **kwargs)
+        self._batch_grads = [p.grad for p in params]
+        for p, grad in zip(params, earlier):
+            p.grad = grad
+        return output
+
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Fire the backward hooks; the pipeline schedule already ran backward inside ``training_step``."""
+        """Add the gradients the pipeline computed in ``training_step``, firing the backward hooks around it."""
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        for p, grad in zip(self.lightning_module.parameters(), self._batch_grads):
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
+        self._batch_grads = []
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
