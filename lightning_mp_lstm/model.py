@@ -181,7 +181,8 @@ class LSTMLanguageModel(pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         now = time.perf_counter()
         if self._last_step_time is not None:
-            self.log("train/tokens_per_s", n_tokens.float() / (now - self._last_step_time), prog_bar=True, batch_size=size)
+            self.log("train/tokens_per_s", n_tokens.float() / (now - self._last_step_time), on_step=True,
+                     on_epoch=True, prog_bar=True, batch_size=size)
         self._last_step_time = now
         return loss
 

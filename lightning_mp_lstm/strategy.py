@@ -193,6 +193,11 @@ class MPLSTMStrategy(ParallelStrategy):
         return True  # the model must be pruned and the optimizers built before state is loaded
 
     def _configure_launcher(self) -> None:
+        # Lightning calls this when the Trainer is built: fail on a wrong process count before any launch.
+        world_size = self.num_nodes * self.num_processes
+        if world_size:
+            layout = self._make_layout(world_size) if self._pipeline_parallel_size == "auto" else self.layout
+            layout.check_world_size(world_size)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)

@@ -1,0 +1,78 @@
+"""Bad configurations fail before the first step, with messages naming the values; never a hang."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_mp_lstm  # noqa: F401
+from lightning_mp_lstm import LayoutError, LSTMLanguageModel, MPLSTMStrategy, PartitionError
+from tests.multiprocess import run_ranks
+from tests.test_pipeline_equivalence import VOCAB
+from tests.test_strategy_fit import FixedBatches
+
+
+class BatchOf8(FixedBatches):
+    batch_size = 8
+
+
+def _trainer(strategy, devices=2, **kwargs):
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+def test_strategy_resolves_by_name():
+    trainer = _trainer("mp_lstm", devices=1)
+    assert isinstance(trainer.strategy, MPLSTMStrategy)
+
+
+def test_world_size_mismatch_fails_when_the_trainer_is_built():
+    with pytest.raises(LayoutError, match=r"pipeline_parallel_size=2 = 2 processes .*world size is 3"):
+        _trainer(MPLSTMStrategy(pipeline_parallel_size=2), devices=3)
+    with pytest.raises(LayoutError, match=r"data_parallel_size=2 does not divide the world size 3"):
+        _trainer(MPLSTMStrategy(data_parallel_size=2), devices=3)
+
+
+def test_multi_stage_schedule_with_one_stage_per_rank_fails_at_construction():
+    with pytest.raises(LayoutError, match=r"Interleaved1F1B is a multi-stage schedule and needs stages_per_rank >= 2"):
+        MPLSTMStrategy(pipeline_parallel_size=2, schedule="Interleaved1F1B", stages_per_rank=1)
+    with pytest.raises(LayoutError, match=r"unknown schedule 'zigzag'; allowed: GPipe, 1F1B"):
+        MPLSTMStrategy(pipeline_parallel_size=2, schedule="zigzag")
+
+
+def _bad_setup_worker(rank: int, world_size: int) -> list[str]:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    cases = [
+        (dict(partition=[["embedding", "lstm.0"], ["lstm.7", "decoder"]]), dict()),
+        (dict(stages_per_rank=2, schedule="Interleaved1F1B", n_microbatches=2), dict(num_layers=1)),
+        (dict(n_microbatches=3), dict()),
+        (dict(n_microbatches=16), dict()),
+        (dict(), dict(tie_weights=True, embedding_dim=8)),
+    ]
+    messages = []
+    for strategy_kwargs, model_kwargs in cases:
+        model = LSTMLanguageModel(VOCAB, **{"embedding_dim": 6, "hidden_size": 8, "num_layers": 2, **model_kwargs})
+        trainer = _trainer(MPLSTMStrategy(**strategy_kwargs))
+        try:
+            trainer.fit(model, datamodule=BatchOf8())
+            messages.append("no error")
+        except (LayoutError, PartitionError) as err:
+            messages.append(f"{type(err).__name__}: {err}")
+        assert trainer.global_step == 0
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_bad_configurations_fail_in_setup_on_every_rank():
+    results = run_ranks(_bad_setup_worker, 2, timeout=100)
+    assert results[0] == results[1]
+    unknown, too_many_stages, not_dividing, too_large, tied = results[0]
+    assert "PartitionError" in unknown and "'lstm.7'" in unknown and "lstm.1" in unknown and "decoder" in unknown
+    assert "PartitionError" in too_many_stages and "4" in too_many_stages and "3" in too_many_stages
+    assert "n_microbatches=3 must divide the per-replica batch of 8" in not_dividing and "[1, 2, 4, 8]" in not_dividing
+    assert "n_microbatches=16" in too_large and "at most 8" in too_large
+    assert "tie_weights=True needs 'embedding' and 'decoder' on the same process" in tied
