@@ -66,6 +66,9 @@ def resolve_layout(cfg: DictConfig) -> ResolvedLayout:
     stages = _partition_stage_count(cfg)
     devices = trainer.get("devices")
     devices = int(devices) if isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()) else None
+    num_nodes = int(trainer.get("num_nodes") or 1)
+    if devices is not None:
+        devices *= num_nodes  # trainer.devices counts processes per node
     dp = layout.data_parallel_size
     pp = layout.pipeline_parallel_size
     if pp is None:
@@ -90,9 +93,11 @@ def resolve_layout(cfg: DictConfig) -> ResolvedLayout:
         )
     if devices is not None and devices != dp * pp:
         raise LayoutError(
-            f"trainer.devices={devices} but the layout needs data_parallel_size={dp} x "
-            f"pipeline_parallel_size={pp} = {dp * pp} processes"
+            f"trainer.devices x trainer.num_nodes = {devices} processes but the layout needs "
+            f"data_parallel_size={dp} x pipeline_parallel_size={pp} = {dp * pp} processes"
         )
+    if (dp * pp) % num_nodes:
+        raise LayoutError(f"{dp * pp} processes cannot be spread evenly over trainer.num_nodes={num_nodes}")
     return ResolvedLayout(dp, pp, spr)
 
 
@@ -149,7 +154,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     checkpoint = ModelCheckpoint(dirpath=cfg.checkpoint_dir, monitor="val/loss", save_last=True, filename="best")
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer,
-        devices=resolved.devices if cfg.trainer.devices is None else cfg.trainer.devices,
+        devices=resolved.devices // int(cfg.trainer.get("num_nodes") or 1),
         strategy=strategy,
         callbacks=[checkpoint],
         logger=CSVLogger(str(run_dir), name="logs", version=""),

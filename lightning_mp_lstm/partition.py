@@ -1093,6 +1093,12 @@ class PartitionReport:
     even_stages: list[list[str]] = field(default_factory=list)
     bottleneck: float = 0.0
     even_bottleneck: float = 0.0
+    #: Microbatches per batch and the predicted / measured seconds per optimizer step, when known.
+    n_microbatches: Optional[int] = None
+    predicted_step_seconds: Optional[float] = None
+    measured_step_seconds: Optional[float] = None
+    #: Predicted step seconds for each candidate number of microbatches (``n_microbatches: auto``).
+    microbatch_predictions: Optional[dict[int, float]] = None
 
     @property
     def cost_shares(self) -> list[float]:
@@ -1146,6 +1152,13 @@ class PartitionReport:
         even = " | ".join(_compact(b) for b in self.even_stages)
         lines.append(f"bottleneck cost: {self.bottleneck:.6g} (even split: {self.even_bottleneck:.6g}; {even})")
         lines.append(f"predicted step-time ratio vs even split: {self.ratio_vs_even:.3f}")
+        if self.microbatch_predictions:
+            options = ", ".join(f"m={m}: {t * 1e3:.1f} ms" for m, t in sorted(self.microbatch_predictions.items()))
+            lines.append(f"n_microbatches=auto chose {self.n_microbatches} (predicted step: {options})")
+        if self.predicted_step_seconds is not None or self.measured_step_seconds is not None:
+            predicted = "-" if self.predicted_step_seconds is None else f"{self.predicted_step_seconds * 1e3:.1f} ms"
+            measured = "-" if self.measured_step_seconds is None else f"{self.measured_step_seconds * 1e3:.1f} ms"
+            lines.append(f"step time with m={self.n_microbatches}: predicted {predicted}, measured {measured}")
         return "\n".join(lines)
 
 

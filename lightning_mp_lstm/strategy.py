@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -33,13 +35,23 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout
-from lightning_mp_lstm.partition import PartitionError, even_partition, validate_partition
+from lightning_mp_lstm import planner
+from lightning_mp_lstm.partition import (
+    PartitionError,
+    PartitionReport,
+    even_partition,
+    memory_costs,
+    parameter_counts,
+    partition_blocks,
+    partition_report,
+    validate_partition,
+)
 from lightning_mp_lstm.pipeline import all_reduce_gradients, build_pipeline
 
 __all__ = ["MPLSTMStrategy"]
@@ -57,11 +69,18 @@ class MPLSTMStrategy(ParallelStrategy):
         pipeline_parallel_size: processes per pipeline; ``"auto"`` = world size / data_parallel_size.
         data_parallel_size: number of pipeline replicas; data is sharded across replicas only.
         stages_per_rank: pipeline stages per process (2 for interleaved and V-shaped schedules).
-        partition: block names per stage (``[["embedding", "lstm.0"], ["lstm.1", "decoder"]]``), or
-            ``None`` / ``"even"`` for an even split of blocks over stages.
+        partition: block names per stage (``[["embedding", "lstm.0"], ["lstm.1", "decoder"]]``),
+            ``None`` / ``"even"`` for an even split of blocks over stages, or ``"balanced"`` for the exact
+            contiguous split minimizing the largest stage cost (see ``balance_by``).
         schedule: one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
             DualPipeV (case-insensitive).
-        n_microbatches: microbatches per replica batch; default: the number of stages.
+        n_microbatches: microbatches per replica batch; default: the number of stages; ``"auto"``: the
+            count with the lowest step time predicted from stage times profiled at several sizes.
+        balance_by: cost of ``partition="balanced"``: ``"time"`` (forward + backward profiled on the device,
+            once, on global rank 0), ``"flops"`` or ``"memory"``.
+        stage_speeds: relative speed of each stage's device for balancing (default: all equal).
+        report_after_steps: print the partition report again with measured stage times and step time
+            after this many training batches (``None``: never).
         timeout: process-group timeout (seconds or ``timedelta``): a crashed rank ends the run instead of
             hanging it.
         num_threads: CPU threads per process; ``"auto"`` shares the machine's cores between the local
@@ -78,7 +97,10 @@ class MPLSTMStrategy(ParallelStrategy):
         stages_per_rank: int = 1,
         partition: Sequence[Sequence[str]] | str | None = None,
         schedule: str = "1F1B",
-        n_microbatches: int | None = None,
+        n_microbatches: int | str | None = None,
+        balance_by: str = "time",
+        stage_speeds: Sequence[float] | None = None,
+        report_after_steps: int | None = 5,
         timeout: float | timedelta = 300.0,
         num_threads: int | str = "auto",
         process_group_backend: str | None = None,
@@ -101,6 +123,11 @@ class MPLSTMStrategy(ParallelStrategy):
         self._partition_option = partition
         self._schedule = schedule
         self._n_microbatches = n_microbatches
+        self._balance_by = balance_by
+        self._stage_speeds = list(stage_speeds) if stage_speeds is not None else None
+        self._report_after_steps = report_after_steps
+        self._report: PartitionReport | None = None
+        self._batch_start_times: list[float] = []
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._num_threads = num_threads
         self._process_group_backend = process_group_backend
@@ -130,7 +157,7 @@ class MPLSTMStrategy(ParallelStrategy):
             pipeline_parallel_size=pp,
             stages_per_rank=int(self._stages_per_rank),
             schedule=self._schedule,
-            n_microbatches=int(self._n_microbatches or stages),
+            n_microbatches=int(self._n_microbatches) if str(self._n_microbatches).isdigit() else stages,
         )
         self._layout = layout
         return layout
@@ -253,8 +280,8 @@ class MPLSTMStrategy(ParallelStrategy):
                 f"precision {type(self.precision_plugin).__name__} with a gradient scaler is not supported: "
                 "the pipeline runs backward itself; use precision='32-true' or 'bf16-mixed'"
             )
+        self._plan(model, trainer)
         layout = self.layout
-        self._partition = self._resolve_partition(model.block_names, layout.num_stages)
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_batch_size(trainer)
         self._check_tied_weights(model)
@@ -273,8 +300,6 @@ class MPLSTMStrategy(ParallelStrategy):
         self.model_to_device()
         # Lightning clips each process's gradients on their own; a split model needs the global norm.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
-        if self.global_rank == 0:
-            log.info("mp_lstm layout %s, partition %s", layout, self._partition)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -282,13 +307,66 @@ class MPLSTMStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_partition(self, names: list[str], num_stages: int) -> list[list[str]]:
+    def _plan(self, model: Any, trainer: pl.Trainer) -> None:
+        """Resolve the partition and ``n_microbatches: auto``, then log the partition report.
+
+        Profiling (``balanced`` by time, ``auto`` microbatches) runs once, on global rank 0, and the
+        result is broadcast. Without it the report's costs are analytic FLOPs.
+        """
+        names, num_stages = model.block_names, self.layout.num_stages
         option = self._partition_option
-        if option is None or (isinstance(option, str) and option == "even"):
-            return even_partition(names, num_stages)
-        if isinstance(option, str):
-            raise PartitionError(f"unknown partition {option!r}; allowed: 'even' or lists of block names per stage")
-        return validate_partition([list(stage) for stage in option], names, num_stages)
+        balanced = isinstance(option, str) and option.split(":")[0] == "balanced"
+        kind = option.split(":", 1)[1] if balanced and ":" in option else self._balance_by
+        auto_m = str(self._n_microbatches) == "auto"
+        if option is None or option == "even":
+            partition = even_partition(names, num_stages)
+        elif isinstance(option, str) and not balanced:
+            raise PartitionError(
+                f"unknown partition {option!r}; allowed: 'even', 'balanced[:time|flops|memory]', "
+                "or lists of block names per stage"
+            )
+        elif not balanced:
+            partition = validate_partition([list(stage) for stage in option], names, num_stages)
+        if not balanced:
+            kind = "flops"
+        rows, length = self._profile_shape(trainer)
+        plan: dict[str, Any] = {}
+        if self.global_rank == 0:
+            microbatch_rows = max(1, rows // self.layout.n_microbatches)
+            plan["costs"] = planner.block_costs(model, kind, microbatch_rows, length, self.root_device)
+            plan["partition"] = (
+                partition_blocks(names, plan["costs"], num_stages, self._stage_speeds) if balanced else partition
+            )
+            if auto_m:
+                plan["n_microbatches"], plan["predictions"] = planner.choose_n_microbatches(
+                    model, plan["partition"], self.layout, rows, length, self.root_device
+                )
+        plan = self.broadcast(plan)
+        self._partition = plan["partition"]
+        if auto_m:
+            self._layout = replace(self.layout, n_microbatches=plan["n_microbatches"])
+        shape = planner.model_shape(model)
+        report = partition_report(
+            self._partition,
+            plan["costs"],
+            parameter_counts(shape),
+            memory_costs(shape, optimizer=planner.optimizer_kind(model)),
+            speeds=self._stage_speeds,
+        )
+        report.n_microbatches = self.layout.n_microbatches
+        report.microbatch_predictions = plan.get("predictions")
+        if report.microbatch_predictions:
+            report.predicted_step_seconds = report.microbatch_predictions[self.layout.n_microbatches]
+        self._report = report
+        rank_zero_info(f"mp_lstm: {self.layout}\npartition (costs by {kind}):\n{report}")
+
+    def _profile_shape(self, trainer: pl.Trainer) -> tuple[int, int]:
+        """Per-replica batch rows and mean bucket length of the training data (defaults: 32 x 35)."""
+        datamodule = trainer.datamodule
+        rows = getattr(datamodule, "batch_size", None) or 32
+        rows = max(1, int(rows) // self.layout.data_parallel_size)
+        lengths = getattr(datamodule, "bucket_lengths", None) or [35]
+        return rows, max(1, round(sum(lengths) / len(lengths)))
 
     def _check_batch_size(self, trainer: pl.Trainer) -> None:
         datamodule = trainer.datamodule
@@ -320,6 +398,36 @@ class MPLSTMStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @property
+    def report(self) -> PartitionReport | None:
+        """The partition report: stage blocks, parameters, memory, cost shares and, once measured after
+        ``report_after_steps`` batches, measured stage-time shares and step time."""
+        return self._report
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._report_after_steps is None or self._report is None:
+            return
+        if len(self._batch_start_times) > self._report_after_steps:
+            return
+        self._batch_start_times.append(time.perf_counter())
+        if len(self._batch_start_times) == self._report_after_steps + 1:
+            self._measure_stage_times(batch)
+
+    def _measure_stage_times(self, batch: Any) -> None:
+        """Time every stage on its own process at this batch's microbatch shape; report on rank 0."""
+        model = self.lightning_module
+        rows = -(-int(batch[0].shape[0]) // self.layout.n_microbatches)
+        local = planner.stage_seconds(
+            model.pipeline.stage_modules, rows, int(batch[0].shape[1]), model.hparams.vocab_size, self.root_device
+        )
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        merged = {s: t for part in reversed(gathered) for s, t in part.items()}
+        self._report.measured_stage_times = [merged[s] for s in range(self.layout.num_stages)]
+        # Skip the first interval: it includes building the stages for new shapes.
+        self._report.measured_step_seconds = planner.median_interval(self._batch_start_times[1:])
+        rank_zero_info(f"mp_lstm partition after {self._report_after_steps} steps:\n{self._report}")
 
     # ----- optimization ----------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
