@@ -1,0 +1,120 @@
+"""Partition and microbatch choice on the seed's model: even vs mxnet2 vs balanced2, auto vs fixed m.
+
+The ``mxnet_ptb`` model (8 x LSTM 400, embedding 200) with a 10,000-word vocabulary on 2 CPU ranks (one
+thread each), 1F1B. For each setting: steps/s (median interval between step starts after warm-up) and
+the stage times measured on each rank (forward + backward of each stage in isolation, after the first
+steps) with their max/mean.
+
+    python benchmarks/partition_balance.py [--steps 8] [--warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
+from tests.multiprocess import run_ranks  # noqa: E402
+
+VOCAB, ROWS, LENGTH = 10_000, 32, 35
+MXNET2 = [["embedding", "lstm.0", "lstm.1", "lstm.2", "lstm.3"], ["lstm.4", "lstm.5", "lstm.6", "lstm.7", "decoder"]]
+SETTINGS = {
+    "even (m=4)": dict(partition="even", n_microbatches=4),
+    "mxnet2 (m=4)": dict(partition=MXNET2, n_microbatches=4),
+    "balanced2 (m=4)": dict(partition="balanced", balance_by="time", n_microbatches=4),
+    "balanced2, m=2": dict(partition="balanced", n_microbatches=2),
+    "balanced2, m=8": dict(partition="balanced", n_microbatches=8),
+    "balanced2, m=16": dict(partition="balanced", n_microbatches=16),
+    "balanced2, m=auto": dict(partition="balanced", n_microbatches="auto"),
+}
+
+
+class _StepTimer(pl.Callback):
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.starts.append(time.perf_counter())
+
+
+def _data(n: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(1, VOCAB, (ROWS, LENGTH + 1), generator=g) for _ in range(n)]
+    return DataLoader([(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens], batch_size=None)
+
+
+class _Data(pl.LightningDataModule):
+    batch_size = ROWS
+    bucket_lengths = [LENGTH]
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def train_dataloader(self) -> DataLoader:
+        return _data(self.n)
+
+
+def _worker(rank: int, world_size: int, steps: int, warmup: int) -> dict[str, dict]:
+    warnings.filterwarnings("ignore")
+    results = {}
+    for name, kwargs in SETTINGS.items():
+        torch.manual_seed(0)
+        model = LSTMLanguageModel(VOCAB, embedding_dim=200, hidden_size=400, num_layers=8, optimizer="sgd", lr=0.1)
+        timer = _StepTimer()
+        strategy = MPLSTMStrategy(schedule="1F1B", report_after_steps=warmup, **kwargs)
+        trainer = pl.Trainer(
+            strategy=strategy, accelerator="cpu", devices=2, max_steps=steps + warmup + 1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0, callbacks=[timer],
+        )
+        trainer.fit(model, datamodule=_Data(steps + warmup + 1))
+        # Skip the warm-up steps and the step that measured the stage times.
+        intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:])][warmup + 1:]
+        report = strategy.report
+        results[name] = {
+            "steps_per_s": 1.0 / statistics.median(intervals),
+            "stage_times": report.measured_stage_times,
+            "partition": strategy.partition,
+            "m": strategy.layout.n_microbatches,
+            "predictions": report.microbatch_predictions,
+        }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    results = run_ranks(_worker, 2, args.steps, args.warmup, timeout=3000)[0]
+    print(f"mxnet_ptb (8 x 400, emb 200), vocab {VOCAB}, batch {ROWS} x {LENGTH}, 1F1B, 2 CPU ranks x 1 thread")
+    print(f"{'setting':<20} {'m':>3} {'steps/s':>8} {'stage times (s)':>22} {'max/mean':>9}  partition")
+    for name, r in results.items():
+        times = r["stage_times"]
+        imbalance = max(times) / statistics.mean(times)
+        split = " | ".join(f"{s[0]}..{s[-1]}" for s in r["partition"])
+        print(f"{name:<20} {r['m']:>3} {r['steps_per_s']:>8.3f} {str([round(t, 3) for t in times]):>22} "
+              f"{imbalance:>9.3f}  {split}")
+    slower = min(results["even (m=4)"]["steps_per_s"], results["mxnet2 (m=4)"]["steps_per_s"])
+    print(f"balanced2 speed-up over the slower of even/mxnet2: {results['balanced2 (m=4)']['steps_per_s'] / slower:.3f}"
+          " (goal >= 1.15)")
+    fixed = {k: v["steps_per_s"] for k, v in results.items() if k.startswith("balanced2") and "auto" not in k}
+    best = max(fixed.values())
+    auto = results["balanced2, m=auto"]
+    print(f"auto chose m={auto['m']}; predicted s/step {auto['predictions']}")
+    print(f"auto / best fixed m: {auto['steps_per_s'] / best:.3f} (goal >= 0.95)")
+
+
+if __name__ == "__main__":
+    main()
