@@ -1,0 +1,403 @@
+"""Lightning data module for word-level language modelling with length buckets."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+from torch.utils.data import DataLoader
+
+from lightning_mp_lstm.data.bucketing import (
+    LONG_SENTENCE_POLICIES,
+    BucketBatchSampler,
+    BucketedDataset,
+    collate_lm,
+    resolve_buckets,
+)
+from lightning_mp_lstm.data.corpus import SPLITS, read_sentences, resolve_split_paths
+from lightning_mp_lstm.data.download import download_ptb
+from lightning_mp_lstm.data.synthetic import DEFAULT_SPLIT_SIZES, SyntheticLanguage
+from lightning_mp_lstm.data.vocab import Vocabulary
+
+__all__ = ["SOURCES", "LMDataModule"]
+
+log = logging.getLogger("lightning_mp_lstm.data")
+
+#: Allowed values of ``source``.
+SOURCES: tuple[str, ...] = ("synthetic", "ptb", "wikitext", "text")
+
+_DEFAULT_CACHE = "~/.cache/lightning_mp_lstm"
+_SPLIT_SIZE_KEYS = {"num_train": "train", "num_valid": "valid", "num_test": "test"}
+
+
+class LMDataModule(pl.LightningDataModule):
+    """Word-level language-modelling data: corpus reading, vocabulary, buckets, loaders.
+
+    ``setup`` is idempotent and may be called before the trainer exists (for
+    example to learn :attr:`vocab_size` before building the model). The
+    vocabulary is built from the training split only, unless one was restored
+    with :meth:`load_state_dict` (Lightning does this when resuming from a
+    checkpoint; the restored vocabulary then replaces any built one).
+
+    Data-parallel sharding is read when a dataloader is created: from
+    ``trainer.strategy.distributed_sampler_kwargs`` (``num_replicas``/``rank``;
+    absent or ``None`` means one replica) and the optional
+    ``trainer.strategy.data_parallel_weights``. ``batch_size``/``max_tokens``
+    bound the *global* batch over all replicas; each replica gets its
+    contiguous share (see :class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler`).
+    Validation and test data are sharded the same way, without shuffling.
+
+    Args:
+        source: ``"synthetic"`` (embedded, needs no files), ``"ptb"``,
+            ``"wikitext"`` or ``"text"`` (any line-based corpus).
+        path: Corpus directory (usual split file names) or a file.
+        train: Explicit training file (overrides ``path``).
+        valid: Explicit validation file (overrides ``path``).
+        test: Explicit test file (overrides ``path``).
+        download: ``source="ptb"`` only: download PTB into ``<cache_dir>/ptb`` in
+            :meth:`prepare_data` (used when ``path`` is not given).
+        cache_dir: Cache root (default ``~/.cache/lightning_mp_lstm``).
+        synthetic: ``source="synthetic"`` only: :class:`SyntheticLanguage`
+            keyword arguments plus ``num_train``/``num_valid``/``num_test``
+            (defaults :data:`DEFAULT_SPLIT_SIZES`); the language ``seed``
+            defaults to ``seed``.
+        min_freq: Minimum training frequency of a vocabulary word.
+        max_vocab_size: Maximum vocabulary size including special tokens.
+        buckets: Bucket lengths, ``"auto"`` (minimal padding, see
+            :func:`~lightning_mp_lstm.data.bucketing.auto_buckets`), or
+            ``None`` (pad to the longest sentence).
+        num_auto_buckets: Number of buckets for ``"auto"`` (``None``: 5).
+        long_sentence_policy: ``"split"``, ``"truncate"`` or ``"drop"`` for
+            sentences longer than the largest bucket.
+        batch_size: Sentences per global training batch.
+        max_tokens: Tokens (sentences x bucket length) per global batch.
+        eval_batch_size: Sentences per global evaluation batch (default ``batch_size``).
+        shuffle: Shuffle training batches every epoch.
+        seed: Shuffling seed (and default synthetic language seed).
+        num_workers: DataLoader worker processes.
+        single_file_for_all_splits: Allow one file ``path`` for every split.
+
+    Raises:
+        ValueError: For an invalid argument combination.
+    """
+
+    def __init__(
+        self,
+        source: str = "synthetic",
+        path: str | None = None,
+        train: str | None = None,
+        valid: str | None = None,
+        test: str | None = None,
+        download: bool = False,
+        cache_dir: str | None = None,
+        synthetic: dict[str, Any] | None = None,
+        min_freq: int = 1,
+        max_vocab_size: int | None = None,
+        buckets: Sequence[int] | str | None = "auto",
+        num_auto_buckets: int | None = 5,
+        long_sentence_policy: str = "split",
+        batch_size: int | None = 32,
+        max_tokens: int | None = None,
+        eval_batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        single_file_for_all_splits: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if source not in SOURCES:
+            raise ValueError(f"unknown data source {source!r}; expected one of {', '.join(SOURCES)}")
+        if long_sentence_policy not in LONG_SENTENCE_POLICIES:
+            raise ValueError(
+                f"unknown long_sentence_policy {long_sentence_policy!r}; "
+                f"allowed: {', '.join(LONG_SENTENCE_POLICIES)}"
+            )
+        if batch_size is None and max_tokens is None:
+            raise ValueError("give batch_size and/or max_tokens")
+        if isinstance(buckets, str) and buckets != "auto":
+            raise ValueError(f"buckets must be a list of lengths, 'auto' or None, got {buckets!r}")
+        if synthetic and source != "synthetic":
+            raise ValueError(f"'synthetic' options given but source is {source!r}")
+        if source == "synthetic" and (path or train or valid or test or download):
+            raise ValueError("source='synthetic' takes no files; set source to 'ptb', 'wikitext' or 'text'")
+        if source != "synthetic" and not (path or train or valid or test or download):
+            raise ValueError(f"source={source!r} needs a path (directory), explicit train/valid/test files or download")
+        if download and source != "ptb":
+            raise ValueError("download=True is only available for source='ptb'")
+        self.source = source
+        self.path = path
+        self.train_path, self.valid_path, self.test_path = train, valid, test
+        self.download = bool(download)
+        self.cache_dir = cache_dir
+        self.synthetic_options = dict(synthetic or {})
+        self.min_freq = min_freq
+        self.max_vocab_size = max_vocab_size
+        self.buckets = list(buckets) if buckets is not None and not isinstance(buckets, str) else buckets
+        self.num_auto_buckets = 5 if num_auto_buckets is None else int(num_auto_buckets)
+        self.long_sentence_policy = long_sentence_policy
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        self.eval_batch_size = eval_batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_workers = num_workers
+        self.single_file_for_all_splits = single_file_for_all_splits
+
+        self._sentences: dict[str, list[list[str]]] | None = None
+        self._language: SyntheticLanguage | None = None
+        self._vocab: Vocabulary | None = None
+        self._encoded: dict[str, list[list[int]]] = {}
+        self._datasets: dict[tuple[str, int], BucketedDataset] = {}
+        self._bucket_lengths: list[int] | None = None
+        self._unigram_ppl: float | None = None
+        #: Number of sentences longer than the largest bucket, per split (filled by the loaders).
+        self.long_sentence_counts: dict[str, int] = {}
+
+    # ------------------------------------------------------------ data files
+    def _ptb_download_dir(self) -> Path:
+        return Path(self.cache_dir or _DEFAULT_CACHE).expanduser() / "ptb"
+
+    def prepare_data(self) -> None:
+        """Download PTB when ``download=True`` (called by Lightning on one process per node)."""
+        if self.download and self.path is None:
+            download_ptb(self._ptb_download_dir())
+
+    def _load_sentences(self) -> dict[str, list[list[str]]]:
+        if self.source == "synthetic":
+            opts = dict(self.synthetic_options)
+            sizes = {split: int(opts.pop(key, DEFAULT_SPLIT_SIZES[split])) for key, split in _SPLIT_SIZE_KEYS.items()}
+            opts.setdefault("seed", self.seed)
+            self._language = SyntheticLanguage(**opts)
+            return {split: self._language.sample(sizes[split], seed=i + 1) for i, split in enumerate(SPLITS)}
+        path = self.path
+        if path is None and self.download:
+            path = os.fspath(self._ptb_download_dir())
+        files = resolve_split_paths(
+            path,
+            self.train_path,
+            self.valid_path,
+            self.test_path,
+            single_file_for_all_splits=self.single_file_for_all_splits,
+        )
+        fmt = {"ptb": "ptb", "wikitext": "wikitext"}.get(self.source, "text")
+        return {split: read_sentences(files[split], fmt=fmt) for split in SPLITS}
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, stage: str | None = None) -> None:
+        """Read the corpus and build the vocabulary (idempotent).
+
+        Args:
+            stage: Lightning stage (unused: all splits are read once).
+        """
+        if self._sentences is None:
+            self._sentences = self._load_sentences()
+            log.info(
+                "corpus %s: %s sentences",
+                self.source,
+                ", ".join(f"{s}={len(v)}" for s, v in self._sentences.items()),
+            )
+        if self._vocab is None:
+            self._set_vocab(
+                Vocabulary.build(self._sentences["train"], min_freq=self.min_freq, max_size=self.max_vocab_size)
+            )
+
+    def prepare_vocab(self) -> Vocabulary:
+        """Run :meth:`setup` if needed and return the vocabulary."""
+        self.setup()
+        return self.vocab
+
+    def _set_vocab(self, vocab: Vocabulary) -> None:
+        if self._vocab is not None and vocab == self._vocab:
+            return
+        self._vocab = vocab
+        self._encoded.clear()
+        self._datasets.clear()
+        self._bucket_lengths = None
+        self._unigram_ppl = None
+
+    def _encode(self, split: str) -> list[list[int]]:
+        if split not in self._encoded:
+            self.setup()
+            assert self._sentences is not None and self._vocab is not None
+            self._encoded[split] = [self._vocab.encode(s) for s in self._sentences[split]]
+        return self._encoded[split]
+
+    def _buckets(self) -> list[int]:
+        """Bucket lengths, derived from the training split for ``"auto"``/``None``."""
+        if self._bucket_lengths is None:
+            if self.buckets is None or isinstance(self.buckets, str):
+                lengths = [len(s) for s in self._encode("train")]
+                self._bucket_lengths = resolve_buckets(self.buckets, lengths, self.num_auto_buckets)
+            else:
+                self._bucket_lengths = resolve_buckets(self.buckets, [], self.num_auto_buckets)
+            log.info("bucket lengths: %s", self._bucket_lengths)
+        return self._bucket_lengths
+
+    def dataset(self, split: str, min_bucket_size: int = 1) -> BucketedDataset:
+        """The bucketed dataset of ``"train"``, ``"valid"`` or ``"test"``.
+
+        Args:
+            split: Split name.
+            min_bucket_size: Minimum examples per non-empty bucket (the number
+                of data-parallel replicas).
+
+        Returns:
+            The (cached) dataset.
+        """
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+        key = (split, min_bucket_size)
+        if key not in self._datasets:
+            buckets = self._buckets()
+            assert self._vocab is not None
+            ds = BucketedDataset(
+                self._encode(split),
+                buckets,
+                long_policy=self.long_sentence_policy,
+                bos_id=self._vocab.eos_id,
+                min_bucket_size=min_bucket_size,
+            )
+            self.long_sentence_counts[split] = ds.num_long
+            self._datasets[key] = ds
+        return self._datasets[key]
+
+    # ------------------------------------------------------------ dataloaders
+    def _replicas(self) -> tuple[int, int, list[float] | None]:
+        trainer = getattr(self, "trainer", None)
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
+        num_replicas, rank = 1, 0
+        if kwargs:
+            num_replicas = int(kwargs.get("num_replicas", 1))
+            rank = int(kwargs.get("rank", 0))
+        weights = getattr(strategy, "data_parallel_weights", None) if strategy is not None else None
+        return num_replicas, rank, (list(weights) if weights is not None else None)
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        self.setup()
+        num_replicas, rank, weights = self._replicas()
+        ds = self.dataset(split, min_bucket_size=num_replicas)
+        batch_size = self.batch_size if train else (self.eval_batch_size or self.batch_size)
+        sampler = BucketBatchSampler(
+            ds.bucket_indices,
+            ds.buckets,
+            batch_size=batch_size,
+            max_tokens=self.max_tokens,
+            shuffle=self.shuffle and train,
+            seed=self.seed,
+            num_replicas=num_replicas,
+            rank=rank,
+            replica_weights=weights,
+        )
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            sampler.set_epoch(trainer.current_epoch)
+        return DataLoader(
+            ds,
+            batch_sampler=sampler,
+            collate_fn=collate_lm,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled, bucketed training batches (this replica's share)."""
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Bucketed validation batches in a fixed order."""
+        return self._loader("valid", train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """Bucketed test batches in a fixed order."""
+        return self._loader("test", train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """Same as :meth:`test_dataloader` (prediction runs on the test split)."""
+        return self._loader("test", train=False)
+
+    # ------------------------------------------------------------- properties
+    @property
+    def bucket_lengths(self) -> list[int]:
+        """Bucket lengths in tokens (after :meth:`setup`); every batch is padded to one of them."""
+        return self._buckets()
+
+    @property
+    def vocab(self) -> Vocabulary:
+        """The vocabulary (after :meth:`setup` or :meth:`load_state_dict`)."""
+        if self._vocab is None:
+            raise RuntimeError("the vocabulary is not available yet: call setup() (or prepare_vocab()) first")
+        return self._vocab
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of vocabulary entries (model input/output size)."""
+        return len(self.vocab)
+
+    @property
+    def language(self) -> SyntheticLanguage | None:
+        """The synthetic source language (``source="synthetic"`` after setup), else ``None``."""
+        return self._language
+
+    @property
+    def entropy_floor(self) -> float | None:
+        """Best achievable perplexity ``exp(entropy_rate)`` (synthetic only, else ``None``)."""
+        if self.source != "synthetic":
+            return None
+        self.setup()
+        assert self._language is not None
+        return math.exp(self._language.entropy_rate())
+
+    @property
+    def unigram_perplexity(self) -> float:
+        """Perplexity of a unigram baseline.
+
+        Synthetic data: exact, ``exp`` of the source's marginal token entropy.
+        Files: a unigram model estimated on the encoded training split (add-one
+        smoothing over the vocabulary, ``<pad>`` excluded) evaluated on the
+        encoded validation split.
+        """
+        if self._unigram_ppl is None:
+            self.setup()
+            if self._language is not None:
+                self._unigram_ppl = math.exp(self._language.unigram_entropy())
+            else:
+                size = self.vocab_size
+                counts = np.bincount(np.concatenate([np.asarray(s) for s in self._encode("train")]), minlength=size)
+                counts = counts.astype(float) + 1.0
+                counts[0] = 0.0
+                logp = np.log(counts / counts.sum(), where=counts > 0, out=np.full(size, -np.inf))
+                valid = np.concatenate([np.asarray(s) for s in self._encode("valid")])
+                self._unigram_ppl = float(np.exp(-logp[valid].mean()))
+        return self._unigram_ppl
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint state: the vocabulary (empty before setup)."""
+        return {"vocab": self._vocab.state_dict()} if self._vocab is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the vocabulary from a checkpoint; later encoding uses it."""
+        if "vocab" in state_dict:
+            self._set_vocab(Vocabulary.from_state_dict(state_dict["vocab"]))
+
+    def stats(self) -> dict[str, Any]:
+        """Counts for logging: sentences per split, vocabulary size, buckets, long sentences."""
+        self.setup()
+        assert self._sentences is not None
+        for split in SPLITS:
+            self.dataset(split)
+        return {
+            "sentences": {s: len(v) for s, v in self._sentences.items()},
+            "tokens": {s: sum(map(len, v)) for s, v in self._sentences.items()},
+            "vocab_size": self.vocab_size,
+            "buckets": self._buckets(),
+            "long_sentences": dict(self.long_sentence_counts),
+        }

@@ -1,0 +1,92 @@
+"""The documentation's examples run, and the Sphinx site builds without a warning."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+EXAMPLES = DOCS / "examples"
+PAGES = [
+    "index", "quickstart", "strategy", "configuration", "layouts", "partitioning", "data", "benchmarks", "api",
+    "dependencies",
+]
+
+
+def _load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"docs_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group (launched ranks too)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:.0f} s; output:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+@pytest.mark.timeout(120)
+def test_single_process_example_trains():
+    loss = _load_example("single_process").main()
+    assert math.isfinite(loss) and 0 < loss < 10
+
+
+@pytest.mark.timeout(200)
+def test_pipeline_two_ranks_example_runs_as_a_script():
+    result = _run([sys.executable, str(EXAMPLES / "pipeline_two_ranks.py")], timeout=180, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stdout[-4000:]
+    found = re.findall(r"^final loss: (\S+)$", result.stdout, flags=re.MULTILINE)
+    assert len(found) == 1, result.stdout[-4000:]  # printed once, on rank 0
+    assert math.isfinite(float(found[0]))
+
+
+@pytest.mark.timeout(60)
+def test_compose_config_example_resolves_dp2_pp2(capsys):
+    resolved = _load_example("compose_config").main()
+    assert (resolved.data_parallel_size, resolved.pipeline_parallel_size, resolved.stages_per_rank) == (2, 2, 1)
+    assert resolved.devices == 4
+    out = capsys.readouterr().out
+    assert "schedule=GPipe" in out and "data_parallel_size=2 pipeline_parallel_size=2" in out
+
+
+@pytest.mark.timeout(180)
+def test_sphinx_site_builds_without_warnings(tmp_path):
+    pytest.importorskip("sphinx")
+    pytest.importorskip("myst_parser")
+    out = tmp_path / "html"
+    result = _run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
+                  timeout=170)
+    assert result.returncode == 0, result.stdout[-4000:]
+    for page in PAGES:
+        assert (out / f"{page}.html").is_file(), page
+    # The examples are included verbatim, so the pages show the tested code.
+    quickstart = (out / "quickstart.html").read_text()
+    assert "tiny_data" in quickstart and "MPLSTMStrategy" in quickstart
+    assert "initialize_config_dir" in (out / "configuration.html").read_text()
+    assert "MPLSTMStrategy" in (out / "api.html").read_text()
