@@ -68,6 +68,8 @@ class MPLSTMStrategy(ParallelStrategy):
     Args:
         pipeline_parallel_size: processes per pipeline; ``"auto"`` = world size / data_parallel_size.
         data_parallel_size: number of pipeline replicas; data is sharded across replicas only.
+        data_parallel_weights: relative batch share of each replica, for unequal devices (the seed's
+            ``work_load_list``); gradients stay exact because the loss divisor is the global token count.
         stages_per_rank: pipeline stages per process (2 for interleaved and V-shaped schedules).
         partition: block names per stage (``[["embedding", "lstm.0"], ["lstm.1", "decoder"]]``),
             ``None`` / ``"even"`` for an even split of blocks over stages, or ``"balanced"`` for the exact
@@ -94,6 +96,7 @@ class MPLSTMStrategy(ParallelStrategy):
         self,
         pipeline_parallel_size: int | str = "auto",
         data_parallel_size: int = 1,
+        data_parallel_weights: Sequence[float] | None = None,
         stages_per_rank: int = 1,
         partition: Sequence[Sequence[str]] | str | None = None,
         schedule: str = "1F1B",
@@ -119,6 +122,7 @@ class MPLSTMStrategy(ParallelStrategy):
         )
         self._pipeline_parallel_size = pipeline_parallel_size
         self._data_parallel_size = data_parallel_size
+        self._data_parallel_weights = list(data_parallel_weights) if data_parallel_weights is not None else None
         self._stages_per_rank = stages_per_rank
         self._partition_option = partition
         self._schedule = schedule
@@ -159,6 +163,12 @@ class MPLSTMStrategy(ParallelStrategy):
             schedule=self._schedule,
             n_microbatches=int(self._n_microbatches) if str(self._n_microbatches).isdigit() else stages,
         )
+        weights = self._data_parallel_weights
+        if weights is not None and (len(weights) != dp or min(weights) <= 0):
+            raise LayoutError(
+                f"data_parallel_weights={weights} must hold one positive weight per replica "
+                f"(data_parallel_size={dp})"
+            )
         self._layout = layout
         return layout
 
@@ -210,6 +220,11 @@ class MPLSTMStrategy(ParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.layout.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def data_parallel_weights(self) -> list[float] | None:
+        """Relative batch share of each data-parallel replica (``None``: equal shares)."""
+        return self._data_parallel_weights
 
     @property
     def process_group_backend(self) -> str | None:
@@ -371,8 +386,8 @@ class MPLSTMStrategy(ParallelStrategy):
     def _check_batch_size(self, trainer: pl.Trainer) -> None:
         datamodule = trainer.datamodule
         batch_size = getattr(datamodule, "batch_size", None)
-        if not isinstance(batch_size, int) or getattr(datamodule, "max_tokens", None):
-            return  # token-budget batches vary by bucket: ragged batches are padded with empty rows
+        if not isinstance(batch_size, int) or getattr(datamodule, "max_tokens", None) or self._data_parallel_weights:
+            return  # token budgets and weighted shares vary the rows: ragged batches get empty padding rows
         dp = self.layout.data_parallel_size
         if batch_size % dp:
             raise LayoutError(
