@@ -5,7 +5,7 @@ thread each), 1F1B. For each setting: steps/s (median interval between step star
 the stage times measured on each rank (forward + backward of each stage in isolation, after the first
 steps) with their max/mean.
 
-    python benchmarks/partition_balance.py [--steps 8] [--warmup 3]
+    python benchmarks/partition_balance.py [--steps 8] [--warmup 3] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -65,29 +65,44 @@ class _Data(pl.LightningDataModule):
         return _data(self.n)
 
 
-def _worker(rank: int, world_size: int, steps: int, warmup: int) -> dict[str, dict]:
+def _fit_once(name: str, steps: int, warmup: int) -> dict:
+    torch.manual_seed(0)
+    model = LSTMLanguageModel(VOCAB, embedding_dim=200, hidden_size=400, num_layers=8, optimizer="sgd", lr=0.1)
+    timer = _StepTimer()
+    strategy = MPLSTMStrategy(schedule="1F1B", report_after_steps=warmup, **SETTINGS[name])
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=steps + warmup + 1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, callbacks=[timer],
+    )
+    trainer.fit(model, datamodule=_Data(steps + warmup + 1))
+    # Skip the warm-up steps and the step that measured the stage times.
+    intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:])][warmup + 1:]
+    return {
+        "intervals": intervals,
+        "stage_times": strategy.report.measured_stage_times,
+        "partition": strategy.partition,
+        "m": strategy.layout.n_microbatches,
+        "predictions": strategy.report.microbatch_predictions,
+    }
+
+
+def _worker(rank: int, world_size: int, steps: int, warmup: int, rounds: int) -> dict[str, dict]:
+    """Every setting once per round, rounds one after another, so drift of the machine hits all alike."""
     warnings.filterwarnings("ignore")
+    runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    for _ in range(rounds):
+        for name in SETTINGS:
+            runs[name].append(_fit_once(name, steps, warmup))
     results = {}
-    for name, kwargs in SETTINGS.items():
-        torch.manual_seed(0)
-        model = LSTMLanguageModel(VOCAB, embedding_dim=200, hidden_size=400, num_layers=8, optimizer="sgd", lr=0.1)
-        timer = _StepTimer()
-        strategy = MPLSTMStrategy(schedule="1F1B", report_after_steps=warmup, **kwargs)
-        trainer = pl.Trainer(
-            strategy=strategy, accelerator="cpu", devices=2, max_steps=steps + warmup + 1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, callbacks=[timer],
-        )
-        trainer.fit(model, datamodule=_Data(steps + warmup + 1))
-        # Skip the warm-up steps and the step that measured the stage times.
-        intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:])][warmup + 1:]
-        report = strategy.report
+    for name, per_round in runs.items():
+        stage_times = [statistics.median(ts) for ts in zip(*(r["stage_times"] for r in per_round))]
         results[name] = {
-            "steps_per_s": 1.0 / statistics.median(intervals),
-            "stage_times": report.measured_stage_times,
-            "partition": strategy.partition,
-            "m": strategy.layout.n_microbatches,
-            "predictions": report.microbatch_predictions,
+            "steps_per_s": 1.0 / statistics.median([t for r in per_round for t in r["intervals"]]),
+            "stage_times": stage_times,
+            "partition": per_round[-1]["partition"],
+            "m": [r["m"] for r in per_round],
+            "predictions": per_round[-1]["predictions"],
         }
     return results
 
@@ -96,15 +111,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    results = run_ranks(_worker, 2, args.steps, args.warmup, timeout=3000)[0]
+    results = run_ranks(_worker, 2, args.steps, args.warmup, args.rounds, timeout=3000)[0]
     print(f"mxnet_ptb (8 x 400, emb 200), vocab {VOCAB}, batch {ROWS} x {LENGTH}, 1F1B, 2 CPU ranks x 1 thread")
     print(f"{'setting':<20} {'m':>3} {'steps/s':>8} {'stage times (s)':>22} {'max/mean':>9}  partition")
     for name, r in results.items():
         times = r["stage_times"]
         imbalance = max(times) / statistics.mean(times)
         split = " | ".join(f"{s[0]}..{s[-1]}" for s in r["partition"])
-        print(f"{name:<20} {r['m']:>3} {r['steps_per_s']:>8.3f} {str([round(t, 3) for t in times]):>22} "
+        m = "/".join(str(x) for x in sorted(set(r["m"])))
+        print(f"{name:<20} {m:>3} {r['steps_per_s']:>8.3f} {str([round(t, 3) for t in times]):>22} "
               f"{imbalance:>9.3f}  {split}")
     slower = min(results["even (m=4)"]["steps_per_s"], results["mxnet2 (m=4)"]["steps_per_s"])
     print(f"balanced2 speed-up over the slower of even/mxnet2: {results['balanced2 (m=4)']['steps_per_s'] / slower:.3f}"
@@ -112,7 +129,8 @@ def main() -> None:
     fixed = {k: v["steps_per_s"] for k, v in results.items() if k.startswith("balanced2") and "auto" not in k}
     best = max(fixed.values())
     auto = results["balanced2, m=auto"]
-    print(f"auto chose m={auto['m']}; predicted s/step {auto['predictions']}")
+    predicted = {m: round(t, 3) for m, t in auto["predictions"].items()}
+    print(f"auto chose m={auto['m']} (per round); predicted s/step of the last round {predicted}")
     print(f"auto / best fixed m: {auto['steps_per_s'] / best:.3f} (goal >= 0.95)")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mp_lstm.layout import LayoutError, ParallelLayout
+from lightning_mp_lstm.layout import LayoutError
 from lightning_mp_lstm.model import perplexity
 from lightning_mp_lstm.partition import block_names
 from lightning_mp_lstm.strategy import MPLSTMStrategy
@@ -115,14 +116,7 @@ def _partition_option(cfg: DictConfig) -> Any:
 def _strategy(cfg: DictConfig, resolved: ResolvedLayout) -> Any:
     if resolved.devices == 1 and cfg.partition.stages in ("even", None):
         return "auto"
-    # Validate the layout + schedule before any process starts.
-    ParallelLayout(
-        resolved.data_parallel_size,
-        resolved.pipeline_parallel_size,
-        resolved.stages_per_rank,
-        cfg.schedule.name,
-        int(cfg.schedule.n_microbatches or resolved.pipeline_parallel_size * resolved.stages_per_rank),
-    )
+    # The strategy validates the layout and schedule here, before any process starts.
     return MPLSTMStrategy(
         pipeline_parallel_size=resolved.pipeline_parallel_size,
         data_parallel_size=resolved.data_parallel_size,
@@ -143,6 +137,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         dict with validation/test loss and perplexity, the synthetic floor and unigram baseline (when
         known), training tokens per second, the checkpoint and log directories.
     """
+    # Every rank holds the same global loss and metrics, so Lightning's advice to all-reduce them is moot.
+    warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     resolved = resolve_layout(cfg)
     strategy = _strategy(cfg, resolved)

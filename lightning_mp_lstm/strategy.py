@@ -373,7 +373,8 @@ class MPLSTMStrategy(ParallelStrategy):
         if report.microbatch_predictions:
             report.predicted_step_seconds = report.microbatch_predictions[self.layout.n_microbatches]
         self._report = report
-        rank_zero_info(f"mp_lstm: {self.layout}\npartition (costs by {kind}):\n{report}")
+        if trainer.state.fn == TrainerFn.FITTING:
+            rank_zero_info(f"mp_lstm: {self.layout}\npartition (costs by {kind}):\n{report}")
 
     def _profile_shape(self, trainer: pl.Trainer) -> tuple[int, int]:
         """Per-replica batch rows and mean bucket length of the training data (defaults: 32 x 35)."""

@@ -97,6 +97,8 @@ PP4 = [
     dict(pipeline_parallel_size=4, stages_per_rank=2, schedule="InterleavedZeroBubble", n_microbatches=4),
     dict(data_parallel_size=2, pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2),
     dict(data_parallel_size=4, pipeline_parallel_size=1, schedule="GPipe", n_microbatches=1),
+    dict(data_parallel_size=2, pipeline_parallel_size=2, stages_per_rank=2, schedule="Interleaved1F1B",
+         n_microbatches=2),
 ]
 
 

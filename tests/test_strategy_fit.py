@@ -22,6 +22,9 @@ ACCUMULATE = 2
 class FixedBatches(pl.LightningDataModule):
     """Global batches of two lengths; each data-parallel replica gets its contiguous share."""
 
+    batch_size = 8  # global sentences per batch, as LMDataModule exposes it
+    bucket_lengths = [5, 9]
+
     def __init__(self, rows: int = 8) -> None:
         super().__init__()
         self.train = _batches(rows, lengths=(5, 9, 7, 5, 9) * ACCUMULATE, seed=3)
@@ -122,3 +125,24 @@ def test_fit_dp2_pp2_equals_single_process(references):
 def test_fit_pp2_v2_interleaved_equals_single_process(references):
     kwargs = dict(stages_per_rank=2, schedule="Interleaved1F1B", n_microbatches=4)
     _compare(run_ranks(_fit_worker, 2, kwargs, "sgd", timeout=280), references["sgd"])
+
+
+@pytest.mark.timeout(200)
+def test_fit_balanced_partition_and_auto_microbatches_equal_single_process(references):
+    """Profiling on rank 0 (time costs, microbatch sizes) changes the split, never the numbers."""
+    kwargs = dict(partition="balanced", balance_by="time", n_microbatches="auto", schedule="1F1B")
+    results = run_ranks(_fit_report_worker, 2, kwargs, "adam", timeout=180)
+    _compare(results, references["adam"])
+    for r in results:
+        assert r["m"] in (2, 4, 8)  # divisors of the 8-row batch that 1F1B accepts with 2 stages
+        assert sorted(r["predictions"]) == [2, 4, 8]
+        assert r["measured"] is not None and len(r["measured"]) == 2 and min(r["measured"]) > 0
+        assert r["partition"] == results[0]["partition"]  # every rank uses rank 0's plan
+
+
+def _fit_report_worker(rank: int, world_size: int, strategy_kwargs: dict, optimizer: str) -> dict:
+    strategy = MPLSTMStrategy(report_after_steps=3, **strategy_kwargs)
+    result = _fit(strategy, world_size, optimizer)
+    report = strategy.report
+    return {**result, "m": strategy.layout.n_microbatches, "predictions": report.microbatch_predictions,
+            "measured": report.measured_stage_times, "partition": strategy.partition}
