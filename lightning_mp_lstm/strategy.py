@@ -59,6 +59,26 @@ __all__ = ["MPLSTMStrategy"]
 log = logging.getLogger(__name__)
 
 
+def _mesh_timeout_override(backend: str, timeout: timedelta) -> dict[str, Any] | None:
+    """``init_device_mesh`` options giving the mesh's sub-groups the strategy's process-group timeout.
+
+    ``init_device_mesh`` creates sub-groups with ``new_group(timeout=None)``: torch's 30-minute default,
+    whatever the default group's timeout, so a crashed rank would hang the other replicas' pipelines.
+    """
+    if backend == "gloo":
+        make = dist.ProcessGroupGloo._Options
+    elif backend == "nccl" and dist.is_nccl_available():
+        make = dist.ProcessGroupNCCL.Options
+    else:
+        return None
+    override = {}
+    for name in ("data_parallel", "pipeline_parallel"):
+        options = make()
+        options._timeout = timeout
+        override[name] = (backend, options)
+    return override
+
+
 class MPLSTMStrategy(ParallelStrategy):
     """Split an :class:`~lightning_mp_lstm.model.LSTMLanguageModel` into pipeline stages across processes.
 
@@ -270,6 +290,7 @@ class MPLSTMStrategy(ParallelStrategy):
                 self.root_device.type,
                 (layout.data_parallel_size, layout.pipeline_parallel_size),
                 mesh_dim_names=("data_parallel", "pipeline_parallel"),
+                backend_override=_mesh_timeout_override(self._process_group_backend, self._timeout),
             )
 
     def _set_num_threads(self) -> None:
@@ -328,6 +349,8 @@ class MPLSTMStrategy(ParallelStrategy):
         Profiling (``balanced`` by time, ``auto`` microbatches) runs once, on global rank 0, and the
         result is broadcast. Without it the report's costs are analytic FLOPs.
         """
+        if self._report is not None:
+            return  # planned at the first setup (fit); validate/test/predict reuse the plan
         names, num_stages = model.block_names, self.layout.num_stages
         option = self._partition_option
         balanced = isinstance(option, str) and option.split(":")[0] == "balanced"
