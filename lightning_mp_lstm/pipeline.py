@@ -18,10 +18,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from lightning_mp_lstm.data.bucketing import LMBatch, pad_batch_rows
 from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.model import prediction_from_logits, token_loss_sum
 
-__all__ = ["PipelineRunner", "StageModule", "all_reduce_gradients", "build_pipeline", "pad_rows"]
+__all__ = ["PipelineRunner", "StageModule", "all_reduce_gradients", "build_pipeline"]
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -58,17 +59,6 @@ class StageModule(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x.contiguous()
-
-
-def pad_rows(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Append all-padding (id 0) rows so the batch dimension is a multiple of ``multiple``.
-
-    Padding rows hold no real token, so they change neither the loss sum nor the token count.
-    """
-    extra = -tensor.shape[0] % multiple
-    if not extra:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
 
 
 class PipelineRunner:
@@ -173,8 +163,9 @@ class PipelineRunner:
 
     # ----- helpers ---------------------------------------------------------------------------------
     def _padded(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.layout.n_microbatches
-        return pad_rows(batch[0], m), pad_rows(batch[1], m)
+        # Ragged batches get all-padding rows so the microbatches split evenly; they change no loss.
+        padded = pad_batch_rows(LMBatch(batch[0], batch[1]), self.layout.n_microbatches)
+        return padded.inputs, padded.targets
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits, targets) / self._divisor
