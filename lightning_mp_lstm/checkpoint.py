@@ -7,7 +7,7 @@ any other (one process included). On load, each process takes the entries of its
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,8 +61,18 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Module)
     }
 
 
-def merge_optimizer_states(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Merge per-process name-keyed optimizer states (same groups everywhere) into one."""
+def merge_optimizer_states(
+    states: Iterable[dict[str, Any]], block_names: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Merge per-process name-keyed optimizer states (same groups everywhere) into one.
+
+    Args:
+        states: one name-keyed state per process (see :func:`optimizer_state_by_name`).
+        block_names: the full model's blocks in model order. Each group's parameters are then listed in
+            model order (stable within a block), whatever process held which block: a plain optimizer
+            over the full model pairs saved and live parameters by position, so a layout whose processes
+            hold non-contiguous blocks (interleaved, V-shaped) would otherwise mix up their state.
+    """
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for part in states:
         merged["state"].update(part["state"])
@@ -71,6 +81,14 @@ def merge_optimizer_states(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 merged["param_groups"].append({**group, "params": []})
             seen = set(merged["param_groups"][i]["params"])
             merged["param_groups"][i]["params"] += [n for n in group["params"] if n not in seen]
+    if block_names is not None:
+        blocks = list(block_names)
+
+        def block_index(name: str) -> int:
+            return next((i for i, b in enumerate(blocks) if name == b or name.startswith(b + ".")), len(blocks))
+
+        for group in merged["param_groups"]:
+            group["params"] = sorted(group["params"], key=block_index)
     return merged
 
 

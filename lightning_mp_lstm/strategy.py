@@ -558,7 +558,8 @@ class MPLSTMStrategy(ParallelStrategy):
         """Name-keyed optimizer state of every stage, merged on global rank 0 (empty elsewhere)."""
         inner = getattr(optimizer, "_optimizer", optimizer)
         parts = ckpt.gather_to_rank_zero(ckpt.optimizer_state_by_name(inner, self.lightning_module))
-        return ckpt.merge_optimizer_states(parts) if parts is not None else {}
+        blocks = self.lightning_module.block_names
+        return ckpt.merge_optimizer_states(parts, block_names=blocks) if parts is not None else {}
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module

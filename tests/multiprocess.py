@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -15,7 +17,11 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,7 +51,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, _free_port(), out_dir, args), nprocs=world_size, join=False,
+            _entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
@@ -58,3 +64,27 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 if process.is_alive():
                     process.kill()
         return [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def run_command(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run ``args`` from the repository root in its own process group, one CPU thread per process.
+
+    Whatever it launches (Lightning's rank processes, torchrun workers) is killed with it if it outlives
+    ``timeout``; the call then raises ``TimeoutError`` with the tail of the output.
+    """
+    proc = start_command(args, **env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(args)} did not finish in {timeout:.0f} s; output:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, None)
+
+
+def start_command(args: list[str], **env: str) -> subprocess.Popen:
+    """Start ``args`` like :func:`run_command` does, without waiting; kill it with ``os.killpg``."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
+    return subprocess.Popen(args, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from lightning_mp_lstm.app import train
+from tests.multiprocess import free_port, run_command, start_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PTB = ROOT.parent / "shared" / "data" / "ptb"
@@ -32,26 +31,6 @@ TINY = [
 def _compose(tmp_path: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name="train", overrides=[f"checkpoint_dir={tmp_path}/checkpoints", *overrides])
-
-
-def _run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; kill the whole group if it outlives ``timeout``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **kwargs)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish in {timeout} s:\n{out[-3000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)
@@ -93,7 +72,7 @@ def test_train_on_ptb_files(tmp_path):
 def test_train_py_launches_a_two_stage_pipeline(tmp_path):
     """`python train.py layout=pp2` starts rank 1 itself through Lightning's launcher (Hydra-aware)."""
     args = [sys.executable, "train.py", "layout=pp2", *TINY, f"hydra.run.dir={tmp_path}/run"]
-    result = _run(args, timeout=220)
+    result = run_command(args, timeout=220)
     assert result.returncode == 0, result.stdout[-4000:]
     assert result.stdout.count("validation perplexity") == 1  # the table is printed by rank 0 only
     assert "embedding, lstm.0" in result.stdout  # the partition report
@@ -102,16 +81,14 @@ def test_train_py_launches_a_two_stage_pipeline(tmp_path):
 @pytest.mark.timeout(240)
 def test_two_node_torchrun_on_localhost(tmp_path):
     """Two `torchrun --nnodes=2` processes (node ranks 0 and 1) run one pipeline across "nodes"."""
-    port = _free_port()
+    port = free_port()
     common = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
               "--master_addr=127.0.0.1", f"--master_port={port}"]
     procs = []
     for node in (0, 1):
         args = [*common, f"--node_rank={node}", "train.py", "layout=pp2", "trainer.num_nodes=2", *TINY,
                 f"hydra.run.dir={tmp_path}/node{node}"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+        procs.append(start_command(args))
     outputs = []
     try:
         for proc in procs:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.multiprocess import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -31,26 +30,6 @@ def _load_example(name: str) -> ModuleType:
     return module
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
-
-
-def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; on timeout kill the whole process group (launched ranks too)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:.0f} s; output:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
-
-
 @pytest.mark.timeout(120)
 def test_single_process_example_trains():
     loss = _load_example("single_process").main()
@@ -59,7 +38,7 @@ def test_single_process_example_trains():
 
 @pytest.mark.timeout(200)
 def test_pipeline_two_ranks_example_runs_as_a_script():
-    result = _run([sys.executable, str(EXAMPLES / "pipeline_two_ranks.py")], timeout=180, OMP_NUM_THREADS="1")
+    result = run_command([sys.executable, str(EXAMPLES / "pipeline_two_ranks.py")], timeout=180)
     assert result.returncode == 0, result.stdout[-4000:]
     found = re.findall(r"^final loss: (\S+)$", result.stdout, flags=re.MULTILINE)
     assert len(found) == 1, result.stdout[-4000:]  # printed once, on rank 0
@@ -80,8 +59,8 @@ def test_sphinx_site_builds_without_warnings(tmp_path):
     pytest.importorskip("sphinx")
     pytest.importorskip("myst_parser")
     out = tmp_path / "html"
-    result = _run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
-                  timeout=170)
+    result = run_command([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
+                         timeout=170)
     assert result.returncode == 0, result.stdout[-4000:]
     for page in PAGES:
         assert (out / f"{page}.html").is_file(), page
