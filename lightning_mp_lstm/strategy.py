@@ -576,7 +576,9 @@ class MPLSTMStrategy(ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
+        # Re-register a class re-created by ``importlib.reload`` of this module, so the name never yields a stale one.
+        if cls.strategy_name not in strategy_registry or strategy_registry[cls.strategy_name]["strategy"] is not cls:
             strategy_registry.register(
-                cls.strategy_name, cls, description="pipeline (x data) parallel LSTM language model training"
+                cls.strategy_name, cls, description="pipeline (x data) parallel LSTM language model training",
+                override=True,
             )

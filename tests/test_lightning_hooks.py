@@ -1,0 +1,178 @@
+"""Lightning's hooks, schedulers, early stopping and predict behave under mp_lstm as in one process."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping
+
+import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
+from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
+from tests.multiprocess import run_ranks
+from tests.test_checkpoint import ThreeBatches, ValLosses
+from tests.test_pipeline_equivalence import VOCAB, _batches, _rel
+from tests.test_strategy_fit import FixedBatches
+
+EPOCHS, BATCHES, ACCUMULATE = 2, 4, 2
+
+
+class FourBatches(FixedBatches):
+    def __init__(self) -> None:
+        super().__init__()
+        self.train = _batches(8, lengths=(5, 9, 7, 5), seed=5)
+
+
+class HookRecorder(pl.Callback):
+    """Counts the backward / optimizer hooks and records gradients and learning rates where they fire."""
+
+    def __init__(self) -> None:
+        self.counts = {"on_before_backward": 0, "on_after_backward": 0, "on_before_optimizer_step": 0}
+        self.grads_present: list[bool] = []
+        self.step_grads: list[dict[str, torch.Tensor]] = []
+        self.epoch_lrs: list[float] = []
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.counts["on_before_backward"] += 1
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.counts["on_after_backward"] += 1
+        grads = [p.grad for p in pl_module.parameters()]
+        self.grads_present.append(bool(grads) and all(g is not None and g.abs().sum() > 0 for g in grads))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.counts["on_before_optimizer_step"] += 1
+        self.step_grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.epoch_lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.epoch_lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _model(**kwargs) -> LSTMLanguageModel:
+    torch.manual_seed(0)
+    return LSTMLanguageModel(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2, **kwargs)
+
+
+def _trainer(strategy, devices: int, callbacks=(), **kwargs) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      callbacks=list(callbacks), **kwargs)
+
+
+def _runs(strategy, devices: int, predict_only: bool = False) -> dict:
+    """Everything the tests compare; ``strategy`` is a factory (a fresh strategy per Trainer)."""
+    warnings.filterwarnings("ignore")
+    out: dict = {}
+    if not predict_only:
+        # Hooks + gradient accumulation + an ExponentialLR scheduler (lr_decay) over 2 epochs.
+        model = _model(optimizer="sgd", lr=0.5, lr_decay=0.5)
+        hooks = HookRecorder()
+        trainer = _trainer(strategy(), devices, [hooks], max_epochs=EPOCHS, accumulate_grad_batches=ACCUMULATE)
+        trainer.fit(model, datamodule=FourBatches())
+        out["hooks"] = {"counts": hooks.counts, "grads_present": hooks.grads_present, "lrs": hooks.epoch_lrs,
+                        "step_grads": hooks.step_grads, "global_step": trainer.global_step,
+                        "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        # Early stopping on a validation loss that falls, then rises (large lr).
+        model = _model(optimizer="adam", lr=0.3)
+        stopper, val_losses = EarlyStopping(monitor="val/loss", patience=0, mode="min"), ValLosses()
+        trainer = _trainer(strategy(), devices, [stopper, val_losses], max_epochs=6)
+        trainer.fit(model, datamodule=ThreeBatches())
+        out["early_stopping"] = {"epoch": trainer.current_epoch, "stopped_epoch": stopper.stopped_epoch,
+                                 "should_stop": trainer.should_stop, "val": val_losses.values,
+                                 "global_step": trainer.global_step}
+    # Prediction with the untrained model.
+    trainer = _trainer(strategy(), devices)
+    out["predict"] = trainer.predict(_model(), datamodule=FixedBatches())
+    return out
+
+
+def _worker(rank: int, world_size: int, strategy_kwargs: dict, predict_only: bool) -> dict:
+    factory = lambda: MPLSTMStrategy(**{"report_after_steps": None, "timeout": 60, **strategy_kwargs})
+    result = _runs(factory, world_size, predict_only)
+    result["own"] = [n for n, _ in _model().named_parameters() if n in result.get("hooks", {}).get("params", {})]
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    torch.set_num_threads(1)
+    return _runs(lambda: "auto", 1)
+
+
+@pytest.fixture(scope="module")
+def pp2() -> list[dict]:
+    return run_ranks(_worker, 2, {"schedule": "1F1B", "n_microbatches": 2}, False, timeout=150)
+
+
+@pytest.mark.timeout(200)
+def test_backward_and_optimizer_hooks_fire_as_in_one_process(pp2, reference):
+    ref = reference["hooks"]
+    batches = EPOCHS * BATCHES
+    assert ref["counts"] == {"on_before_backward": batches, "on_after_backward": batches,
+                             "on_before_optimizer_step": batches // ACCUMULATE}
+    for rank, result in enumerate(pp2):
+        hooks = result["hooks"]
+        assert hooks["counts"] == ref["counts"], rank
+        assert hooks["global_step"] == ref["global_step"] == batches // ACCUMULATE
+        # This rank's gradients exist (and are not zero) when on_after_backward fires, every time.
+        assert hooks["grads_present"] == [True] * batches, rank
+        assert set(hooks["params"]) == set(result["own"]) and len(result["own"]) < len(ref["params"])
+        # At on_before_optimizer_step the gradients are the single-process (accumulated) gradients.
+        for step, (got, expected) in enumerate(zip(hooks["step_grads"], ref["step_grads"])):
+            assert got.keys() == set(result["own"])
+            for name, grad in got.items():
+                assert _rel(grad, expected[name]) < 1e-5, (rank, step, name)
+    merged = {**pp2[0]["hooks"]["params"], **pp2[1]["hooks"]["params"]}
+    assert merged.keys() == ref["params"].keys()
+    for name, value in ref["params"].items():
+        assert _rel(merged[name], value) < 1e-5, name
+
+
+@pytest.mark.timeout(200)
+def test_lr_scheduler_steps_identically_on_every_rank(pp2, reference):
+    expected = [0.5 * 0.5**epoch for epoch in range(EPOCHS + 1)]  # ExponentialLR(gamma=0.5), once per epoch
+    assert reference["hooks"]["lrs"] == pytest.approx(expected)
+    for result in pp2:
+        assert result["hooks"]["lrs"] == reference["hooks"]["lrs"]
+
+
+@pytest.mark.timeout(200)
+def test_early_stopping_stops_every_rank_at_the_single_process_epoch(pp2, reference):
+    ref = reference["early_stopping"]
+    assert ref["should_stop"] and 0 < ref["stopped_epoch"] < 5  # it did stop early, not at max_epochs
+    assert ref["val"][ref["stopped_epoch"]] > ref["val"][ref["stopped_epoch"] - 1]
+    for result in pp2:
+        got = result["early_stopping"]
+        assert {k: got[k] for k in ("epoch", "stopped_epoch", "should_stop", "global_step")} == {
+            k: ref[k] for k in ("epoch", "stopped_epoch", "should_stop", "global_step")}
+        assert got["val"] == pytest.approx(ref["val"], rel=1e-4)
+
+
+def _assert_same_predictions(got: list[dict], expected: list[dict]) -> None:
+    assert len(got) == len(expected) == 2
+    for batch_got, batch_ref in zip(got, expected):
+        assert set(batch_got) == {"log_probs", "next_token", "mask"}
+        assert batch_got["log_probs"].shape == batch_ref["log_probs"].shape == batch_ref["mask"].shape
+        torch.testing.assert_close(batch_got["log_probs"], batch_ref["log_probs"], rtol=1e-5, atol=1e-6)
+        assert torch.equal(batch_got["next_token"], batch_ref["next_token"])
+        assert torch.equal(batch_got["mask"], batch_ref["mask"])
+        assert bool((batch_got["log_probs"][batch_got["mask"]] < 0).all())
+
+
+@pytest.mark.timeout(200)
+def test_predict_on_pp2_equals_one_process(pp2, reference):
+    for result in pp2:  # every rank of the pipeline gets the predictions
+        _assert_same_predictions(result["predict"], reference["predict"])
+
+
+@pytest.mark.timeout(200)
+def test_predict_on_dp2_pp2_gives_the_global_batch_on_rank_zero(reference):
+    results = run_ranks(_worker, 4, {"data_parallel_size": 2, "schedule": "GPipe", "n_microbatches": 2}, True,
+                        timeout=150)
+    _assert_same_predictions(results[0]["predict"], reference["predict"])
+    assert results[0]["predict"][0]["log_probs"].shape[0] == 8  # both replicas' 4 rows
