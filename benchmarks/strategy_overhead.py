@@ -79,7 +79,7 @@ def _bare_loop(rank: int, steps: int) -> list[float]:
             schedule.step(inputs)
         else:
             losses: list[torch.Tensor] = []
-            schedule.step(target=targets, losses=losses)
+            schedule.step(target=targets, losses=losses, return_outputs=False)
         optimizer.step()
     # Same measure as for the Trainer: the interval between the starts of consecutive steps.
     return [b - a for a, b in zip(starts, starts[1:])]
