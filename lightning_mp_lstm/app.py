@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ from lightning_mp_lstm.partition import block_names
 from lightning_mp_lstm.strategy import MPLSTMStrategy
 
 __all__ = ["ResolvedLayout", "resolve_layout", "train"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

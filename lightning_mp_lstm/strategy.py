@@ -10,7 +10,6 @@ replicas once per optimizer step, the clipping norm across stages, name-keyed ch
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -55,8 +54,6 @@ from lightning_mp_lstm.partition import (
 from lightning_mp_lstm.pipeline import all_reduce_gradients, build_pipeline
 
 __all__ = ["MPLSTMStrategy"]
-
-log = logging.getLogger(__name__)
 
 
 def _mesh_timeout_override(backend: str, timeout: timedelta) -> dict[str, Any] | None:

@@ -70,6 +70,8 @@ def _compare_worker(rank: int, world_size: int, configs: list[dict]) -> list[dic
             for name, p in model.named_parameters():
                 worst["grad"] = max(worst["grad"], _rel(p.grad, ref_params[name].grad))
             worst["params"] = len(list(model.parameters()))
+        # One stage + schedule per bucket shape, built lazily and reused (none for a one-stage pipeline).
+        worst["shapes"] = runner.cached_shapes
         results.append({"config": cfg, **worst})
         dist.barrier()
     dist.destroy_process_group()
@@ -82,6 +84,8 @@ def _check(results_per_rank: list[list[dict]], n_blocks_total: int | None = None
             assert r["params"] > 0, r
             assert r["loss"] < 1e-5, r
             assert r["grad"] < 1e-5, r
+            if r["config"]["pipeline_parallel_size"] > 1:
+                assert [(length, mode) for _, length, mode in r["shapes"]] == [(5, "train"), (9, "train")], r
 
 
 PP2 = [
