@@ -143,6 +143,8 @@ class MPLSTMStrategy(ParallelStrategy):
         self._stages_per_rank = stages_per_rank
         self._partition_option = partition
         self._schedule = schedule
+        if not (n_microbatches is None or n_microbatches == "auto" or str(n_microbatches).isdigit()):
+            raise LayoutError(f"n_microbatches must be a positive integer, None or 'auto', got {n_microbatches!r}")
         self._n_microbatches = n_microbatches
         self._balance_by = balance_by
         self._stage_speeds = list(stage_speeds) if stage_speeds is not None else None

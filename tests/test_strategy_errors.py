@@ -41,6 +41,8 @@ def test_multi_stage_schedule_with_one_stage_per_rank_fails_at_construction():
         MPLSTMStrategy(pipeline_parallel_size=2, schedule="Interleaved1F1B", stages_per_rank=1)
     with pytest.raises(LayoutError, match=r"unknown schedule 'zigzag'; allowed: GPipe, 1F1B"):
         MPLSTMStrategy(pipeline_parallel_size=2, schedule="zigzag")
+    with pytest.raises(LayoutError, match=r"n_microbatches must be a positive integer, None or 'auto', got 'many'"):
+        MPLSTMStrategy(pipeline_parallel_size=2, n_microbatches="many")
 
 
 def _bad_setup_worker(rank: int, world_size: int) -> list[str]:
