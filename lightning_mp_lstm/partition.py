@@ -56,6 +56,7 @@ __all__ = [
     "profile_block_times",
     "costs_for",
     "partition_report",
+    "microbatch_step_time",
     "predicted_step_time",
     "predict_step_times",
     "choose_microbatches",
@@ -898,6 +899,21 @@ def predicted_step_time(stage_costs: Sequence[float], num_microbatches: int) -> 
     return (m + S - 1) * max(costs) / m
 
 
+def microbatch_step_time(microbatch_times: Sequence[float], num_microbatches: int) -> float:
+    """Step time of a GPipe / 1F1B pipeline from each process's time for one microbatch.
+
+    ``(m - 1) * max(t) + sum(t)``: the busiest process sets the pace of the steady state, and the fill
+    and drain pass every microbatch through each process once. With equal times on ``S`` processes this
+    is the familiar ``(m + S - 1) * t``. Communication and the optimizer step are left out.
+
+    Args:
+        microbatch_times: Forward + backward seconds of one microbatch on each process, in order.
+        num_microbatches: Number of microbatches ``m >= 1``.
+    """
+    times = _check_costs(microbatch_times)
+    return (num_microbatches - 1) * max(times) + sum(times)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -994,7 +1010,7 @@ def predict_step_times(
         t = stage_time_at_microbatch_size
     else:
         raise PartitionError("stage_time_at_microbatch_size must be a callable or a mapping size -> seconds")
-    return {m: (m + num_stages - 1) * float(t(batch_size // m)) for m in options}
+    return {m: microbatch_step_time([float(t(batch_size // m))] * num_stages, m) for m in options}
 
 
 def choose_microbatches(

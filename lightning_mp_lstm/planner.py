@@ -21,6 +21,7 @@ from lightning_mp_lstm.partition import (
     PartitionError,
     flop_costs,
     memory_costs,
+    microbatch_step_time,
     profile_block_times,
 )
 
@@ -121,12 +122,10 @@ def choose_n_microbatches(
     """Pick the number of microbatches that minimizes the predicted step time.
 
     For each ``m`` that divides the per-replica batch and that the schedule accepts, every process's
-    forward + backward time ``t_r(B/m)`` for one microbatch is measured, and the step time is modelled as
-    ``(m - 1) * max_r t_r + sum_r t_r``: the busiest process sets the pace of the steady state, and every
-    microbatch's fill and drain passes through all processes once. For balanced processes this is the
-    familiar ``(m + pp - 1) * t``. It leaves out communication and the optimizer step (on the seed's
-    model on 2 CPU ranks: 1.26 s predicted, 1.46 s measured), so it ranks candidates rather than timing
-    them. Interleaving is not modelled.
+    forward + backward time for one microbatch of ``B/m`` sentences is measured and turned into a step
+    time by :func:`~lightning_mp_lstm.partition.microbatch_step_time`. It leaves out communication and
+    the optimizer step (on the seed's model on 2 CPU ranks: 1.26 s predicted, 1.46 s measured), so it
+    ranks candidates rather than timing them. Interleaving is not modelled.
 
     Returns:
         The chosen ``m`` and the predicted seconds per step for every candidate.
@@ -149,7 +148,7 @@ def choose_n_microbatches(
         per_rank = [0.0] * pp
         for name, seconds in per_block.items():
             per_rank[rank_of[owner[name]]] += seconds
-        predictions[m] = (m - 1) * max(per_rank) + sum(per_rank)
+        predictions[m] = microbatch_step_time(per_rank, m)
     if not predictions:
         raise LayoutError(
             f"no number of microbatches up to {max_microbatches} divides the per-replica batch of {batch_rows} "

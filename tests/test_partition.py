@@ -496,3 +496,11 @@ def test_partition_report_one_block_per_stage_and_errors():
 def test_public_api_exported():
     for name in P.__all__:
         assert hasattr(P, name)
+
+
+def test_microbatch_step_time_fill_drain_model():
+    from lightning_mp_lstm.partition import microbatch_step_time
+
+    assert microbatch_step_time([2.0, 2.0, 2.0], 4) == pytest.approx((4 + 3 - 1) * 2.0)
+    # Unbalanced: the busiest process paces m - 1 microbatches, fill and drain pass each process once.
+    assert microbatch_step_time([1.0, 3.0], 4) == pytest.approx(3 * 3.0 + 4.0)
