@@ -5,7 +5,12 @@ thread each), 1F1B. For each setting: steps/s (median interval between step star
 the stage times measured on each rank (forward + backward of each stage in isolation, after the first
 steps) with their max/mean.
 
-    python benchmarks/partition_balance.py [--steps 8] [--warmup 3] [--rounds 2]
+    python benchmarks/partition_balance.py [--rows 64] [--m 8] [--no-sweep] [--steps 8] [--warmup 3] [--rounds 2]
+
+The three partitions run at the same m (by default 8 microbatches of a 64-sentence batch, the partitioning
+issue's own example: 8 sentences per microbatch, where the decoder costs about two LSTM layers and the 1F1B
+fill and drain, which every split pays, is small enough for balance to show); balanced2 then runs at every
+other m in 2, 4, 8, 16 and at ``auto`` (``--no-sweep`` skips those).
 """
 
 from __future__ import annotations
@@ -26,17 +31,20 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
 from tests.multiprocess import run_ranks  # noqa: E402
 
-VOCAB, ROWS, LENGTH = 10_000, 32, 35
+VOCAB, LENGTH = 10_000, 35
 MXNET2 = [["embedding", "lstm.0", "lstm.1", "lstm.2", "lstm.3"], ["lstm.4", "lstm.5", "lstm.6", "lstm.7", "decoder"]]
-SETTINGS = {
-    "even (m=4)": dict(partition="even", n_microbatches=4),
-    "mxnet2 (m=4)": dict(partition=MXNET2, n_microbatches=4),
-    "balanced2 (m=4)": dict(partition="balanced", balance_by="time", n_microbatches=4),
-    "balanced2, m=2": dict(partition="balanced", n_microbatches=2),
-    "balanced2, m=8": dict(partition="balanced", n_microbatches=8),
-    "balanced2, m=16": dict(partition="balanced", n_microbatches=16),
-    "balanced2, m=auto": dict(partition="balanced", n_microbatches="auto"),
-}
+PARTITIONS = {"even": "even", "mxnet2": MXNET2, "balanced2": "balanced"}
+FIXED_M = (2, 4, 8, 16)
+
+
+def _settings(m: int, sweep: bool) -> dict[str, dict]:
+    """The three partitions at the same ``m``, then balanced2 at every other fixed m and at ``auto``."""
+    settings = {f"{name} (m={m})": {"partition": p, "n_microbatches": m} for name, p in PARTITIONS.items()}
+    if sweep:
+        others = [k for k in FIXED_M if k != m]
+        settings.update({f"balanced2, m={k}": {"partition": "balanced", "n_microbatches": k} for k in others})
+        settings["balanced2, m=auto"] = {"partition": "balanced", "n_microbatches": "auto"}
+    return settings
 
 
 class _StepTimer(pl.Callback):
@@ -47,35 +55,35 @@ class _StepTimer(pl.Callback):
         self.starts.append(time.perf_counter())
 
 
-def _data(n: int) -> DataLoader:
+def _data(n: int, rows: int) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(1, VOCAB, (ROWS, LENGTH + 1), generator=g) for _ in range(n)]
+    tokens = [torch.randint(1, VOCAB, (rows, LENGTH + 1), generator=g) for _ in range(n)]
     return DataLoader([(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens], batch_size=None)
 
 
 class _Data(pl.LightningDataModule):
-    batch_size = ROWS
     bucket_lengths = [LENGTH]
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, rows: int) -> None:
         super().__init__()
         self.n = n
+        self.batch_size = rows
 
     def train_dataloader(self) -> DataLoader:
-        return _data(self.n)
+        return _data(self.n, self.batch_size)
 
 
-def _fit_once(name: str, steps: int, warmup: int) -> dict:
+def _fit_once(options: dict, rows: int, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
     model = LSTMLanguageModel(VOCAB, embedding_dim=200, hidden_size=400, num_layers=8, optimizer="sgd", lr=0.1)
     timer = _StepTimer()
-    strategy = MPLSTMStrategy(schedule="1F1B", report_after_steps=warmup, **SETTINGS[name])
+    strategy = MPLSTMStrategy(schedule="1F1B", balance_by="time", report_after_steps=warmup, **options)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=steps + warmup + 1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=[timer],
     )
-    trainer.fit(model, datamodule=_Data(steps + warmup + 1))
+    trainer.fit(model, datamodule=_Data(steps + warmup + 1, rows))
     # Skip the warm-up steps and the step that measured the stage times.
     intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:])][warmup + 1:]
     return {
@@ -87,13 +95,16 @@ def _fit_once(name: str, steps: int, warmup: int) -> dict:
     }
 
 
-def _worker(rank: int, world_size: int, steps: int, warmup: int, rounds: int) -> dict[str, dict]:
+def _worker(
+    rank: int, world_size: int, rows: int, m: int, sweep: bool, steps: int, warmup: int, rounds: int
+) -> dict[str, dict]:
     """Every setting once per round, rounds one after another, so drift of the machine hits all alike."""
     warnings.filterwarnings("ignore")
-    runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    settings = _settings(m, sweep)
+    runs: dict[str, list[dict]] = {name: [] for name in settings}
     for _ in range(rounds):
-        for name in SETTINGS:
-            runs[name].append(_fit_once(name, steps, warmup))
+        for name, options in settings.items():
+            runs[name].append(_fit_once(options, rows, steps, warmup))
     results = {}
     for name, per_round in runs.items():
         stage_times = [statistics.median(ts) for ts in zip(*(r["stage_times"] for r in per_round))]
@@ -109,29 +120,41 @@ def _worker(rank: int, world_size: int, steps: int, warmup: int, rounds: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64, help="sentences per batch")
+    parser.add_argument("--m", type=int, default=8, help="microbatches for the partition comparison")
+    parser.add_argument("--no-sweep", action="store_true", help="only the three partitions, no m sweep")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    results = run_ranks(_worker, 2, args.steps, args.warmup, args.rounds, timeout=3000)[0]
-    print(f"mxnet_ptb (8 x 400, emb 200), vocab {VOCAB}, batch {ROWS} x {LENGTH}, 1F1B, 2 CPU ranks x 1 thread")
+    results = run_ranks(_worker, 2, args.rows, args.m, not args.no_sweep, args.steps, args.warmup, args.rounds, timeout=5400)[0]
+    m = args.m
+    print(f"mxnet_ptb (8 x 400, emb 200), vocab {VOCAB}, batch {args.rows} x {LENGTH}, 1F1B, "
+          "2 CPU ranks x 1 thread")
     print(f"{'setting':<20} {'m':>3} {'steps/s':>8} {'stage times (s)':>22} {'max/mean':>9}  partition")
     for name, r in results.items():
         times = r["stage_times"]
-        imbalance = max(times) / statistics.mean(times)
         split = " | ".join(f"{s[0]}..{s[-1]}" for s in r["partition"])
-        m = "/".join(str(x) for x in sorted(set(r["m"])))
-        print(f"{name:<20} {m:>3} {r['steps_per_s']:>8.3f} {str([round(t, 3) for t in times]):>22} "
-              f"{imbalance:>9.3f}  {split}")
-    slower = min(results["even (m=4)"]["steps_per_s"], results["mxnet2 (m=4)"]["steps_per_s"])
-    print(f"balanced2 speed-up over the slower of even/mxnet2: {results['balanced2 (m=4)']['steps_per_s'] / slower:.3f}"
-          " (goal >= 1.15)")
+        chosen = "/".join(str(x) for x in sorted(set(r["m"])))
+        print(f"{name:<20} {chosen:>3} {r['steps_per_s']:>8.3f} {str([round(t, 3) for t in times]):>22} "
+              f"{max(times) / statistics.mean(times):>9.3f}  {split}")
+    balanced = results[f"balanced2 (m={m})"]
+    slower = min(results[f"even (m={m})"], results[f"mxnet2 (m={m})"], key=lambda r: r["steps_per_s"])
+    print(f"balanced2 speed-up over the slower of even/mxnet2 at m={m}: "
+          f"{balanced['steps_per_s'] / slower['steps_per_s']:.3f} (goal >= 1.15)")
+    # What the 1F1B step model, (m - 1) x busiest stage + sum of stages, predicts from the measured stage
+    # times, and its bound: a perfect split (every stage at the mean) of the slower run's work.
+    step = lambda times: (m - 1) * max(times) + sum(times)  # noqa: E731
+    perfect = [statistics.mean(slower["stage_times"])] * len(slower["stage_times"])
+    print(f"  predicted from measured stage times: {step(slower['stage_times']) / step(balanced['stage_times']):.3f}; "
+          f"a perfect split: {step(slower['stage_times']) / step(perfect):.3f}")
+    if args.no_sweep:
+        return
     fixed = {k: v["steps_per_s"] for k, v in results.items() if k.startswith("balanced2") and "auto" not in k}
-    best = max(fixed.values())
     auto = results["balanced2, m=auto"]
-    predicted = {m: round(t, 3) for m, t in auto["predictions"].items()}
+    predicted = {k: round(t, 3) for k, t in auto["predictions"].items()}
     print(f"auto chose m={auto['m']} (per round); predicted s/step of the last round {predicted}")
-    print(f"auto / best fixed m: {auto['steps_per_s'] / best:.3f} (goal >= 0.95)")
+    print(f"auto / best fixed m: {auto['steps_per_s'] / max(fixed.values()):.3f} (goal >= 0.95)")
 
 
 if __name__ == "__main__":
