@@ -127,7 +127,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    results = run_ranks(_worker, 2, args.rows, args.m, not args.no_sweep, args.steps, args.warmup, args.rounds, timeout=5400)[0]
+    sweep = not args.no_sweep
+    results = run_ranks(_worker, 2, args.rows, args.m, sweep, args.steps, args.warmup, args.rounds, timeout=5400)[0]
     m = args.m
     print(f"mxnet_ptb (8 x 400, emb 200), vocab {VOCAB}, batch {args.rows} x {LENGTH}, 1F1B, "
           "2 CPU ranks x 1 thread")
@@ -144,7 +145,9 @@ def main() -> None:
           f"{balanced['steps_per_s'] / slower['steps_per_s']:.3f} (goal >= 1.15)")
     # What the 1F1B step model, (m - 1) x busiest stage + sum of stages, predicts from the measured stage
     # times, and its bound: a perfect split (every stage at the mean) of the slower run's work.
-    step = lambda times: (m - 1) * max(times) + sum(times)  # noqa: E731
+    def step(times: list[float]) -> float:
+        return (m - 1) * max(times) + sum(times)
+
     perfect = [statistics.mean(slower["stage_times"])] * len(slower["stage_times"])
     print(f"  predicted from measured stage times: {step(slower['stage_times']) / step(balanced['stage_times']):.3f}; "
           f"a perfect split: {step(slower['stage_times']) / step(perfect):.3f}")

@@ -399,12 +399,19 @@ class MPLSTMStrategy(ParallelStrategy):
             rank_zero_info(f"mp_lstm: {self.layout}\npartition (costs by {kind}):\n{report}")
 
     def _profile_shape(self, trainer: pl.Trainer) -> tuple[int, int]:
-        """Per-replica batch rows and mean bucket length of the training data (defaults: 32 x 35)."""
+        """Per-replica batch rows and mean padded sentence length of the training data (defaults: 32 x 35).
+
+        The length follows the bucket mix (``mean_padded_length`` of :class:`LMDataModule`, weighted by how
+        many sentences each bucket holds); other datamodules give the plain mean of ``bucket_lengths``.
+        """
         datamodule = trainer.datamodule
         rows = getattr(datamodule, "batch_size", None) or 32
         rows = max(1, int(rows) // self.layout.data_parallel_size)
-        lengths = getattr(datamodule, "bucket_lengths", None) or [35]
-        return rows, max(1, round(sum(lengths) / len(lengths)))
+        length = getattr(datamodule, "mean_padded_length", None)
+        if length is None:
+            lengths = getattr(datamodule, "bucket_lengths", None) or [35]
+            length = sum(lengths) / len(lengths)
+        return rows, max(1, round(length))
 
     def _check_batch_size(self, trainer: pl.Trainer) -> None:
         datamodule = trainer.datamodule

@@ -248,3 +248,14 @@ def test_lightning_fit_reshuffles_per_epoch_and_checkpoints_vocab(tmp_path: Path
     assert dm2.vocab == dm.vocab
     preds = pl.Trainer(**kw).predict(model, datamodule=dm)
     assert sum(preds) == small["num_test"]
+
+
+def test_mean_padded_length_follows_the_bucket_mix(tmp_path: Path) -> None:
+    # Training sentences with 2, 3 and 7 words (+ <eos>): lengths 3, 4, 8 -> buckets 4, 4, 8.
+    # Six short sentences and two long: (6 * 4 + 2 * 8) / 8 = 5.0, not the plain bucket mean 6.0.
+    train = ["a b", "a b c", "b c", "c a b", "a a", "b b b", "a b c a b c a", "c b a c b a c"]
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"ptb.{split}.txt").write_text("\n".join(train) + "\n")
+    dm = LMDataModule(source="ptb", path=str(tmp_path), buckets=[4, 8], batch_size=2)
+    assert dm.mean_padded_length == pytest.approx(5.0)
+    assert sum(dm.bucket_lengths) / 2 == 6.0

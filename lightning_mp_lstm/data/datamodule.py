@@ -330,6 +330,16 @@ class LMDataModule(pl.LightningDataModule):
         return self._buckets()
 
     @property
+    def mean_padded_length(self) -> float:
+        """Mean length, in tokens, that a training sentence is padded to (its bucket's length), over the
+        training split: the bucket mix that per-step compute follows (after :meth:`setup`)."""
+        self.setup()
+        dataset = self.dataset("train", min_bucket_size=self._replicas()[0])
+        if not len(dataset):
+            return float(self.bucket_lengths[-1])
+        return float(np.mean(np.asarray(dataset.buckets)[dataset.bucket_indices]))
+
+    @property
     def vocab(self) -> Vocabulary:
         """The vocabulary (after :meth:`setup` or :meth:`load_state_dict`)."""
         if self._vocab is None:
