@@ -101,7 +101,10 @@ class LSTMLanguageModel(pl.LightningModule):
         self.save_hyperparameters()
         self.embedding: nn.Module | None = _Embedding(vocab_size, embedding_dim, dropout)
         self.lstm = nn.ModuleDict(
-            {str(i): _LSTMLayer(embedding_dim if i == 0 else hidden_size, hidden_size, dropout) for i in range(num_layers)}
+            {
+                str(i): _LSTMLayer(embedding_dim if i == 0 else hidden_size, hidden_size, dropout)
+                for i in range(num_layers)
+            }
         )
         self.decoder: nn.Module | None = _Decoder(hidden_size, vocab_size)
         if init_range is not None:

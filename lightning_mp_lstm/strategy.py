@@ -39,8 +39,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_mp_lstm import checkpoint as ckpt
-from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm import planner
+from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.partition import (
     PartitionError,
     PartitionReport,
@@ -524,7 +524,10 @@ class MPLSTMStrategy(ParallelStrategy):
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float | int) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
-        local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.root_device)
+        if grads:
+            local = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        else:
+            local = torch.zeros((), device=self.root_device)
         squared = local.to(self.root_device, torch.float32).pow(2)
         if self.layout.pipeline_parallel_size > 1:
             dist.all_reduce(squared, group=self.device_mesh["pipeline_parallel"].get_group())

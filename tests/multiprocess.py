@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

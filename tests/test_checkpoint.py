@@ -150,7 +150,9 @@ def run(tmp_path_factory) -> tuple[list[dict], Path]:
     return run_ranks(_worker, 2, str(tmp), timeout=150), tmp
 
 
-def _reference_fit(max_epochs: int, ckpt_path=None, lr: float = 0.01, callbacks=()) -> tuple[pl.Trainer, LSTMLanguageModel]:
+def _reference_fit(
+    max_epochs: int, ckpt_path=None, lr: float = 0.01, callbacks=()
+) -> tuple[pl.Trainer, LSTMLanguageModel]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     model = _model(lr=lr)
@@ -288,7 +290,8 @@ def test_data_module_vocabulary_is_in_the_checkpoint(run):
     other.load_state_dict(saved)
     other.setup()
     assert other.vocab == vocab
-    assert LMDataModule(**{**SYNTHETIC, "synthetic": {**SYNTHETIC["synthetic"], "num_train": 30}}).prepare_vocab() != vocab
+    fewer = LMDataModule(**{**SYNTHETIC, "synthetic": {**SYNTHETIC["synthetic"], "num_train": 30}})
+    assert fewer.prepare_vocab() != vocab
 
 
 @pytest.mark.timeout(200)

@@ -23,7 +23,8 @@ def _fit(strategy, devices: int) -> dict[str, torch.Tensor]:
     data.setup("fit")
     model = LSTMLanguageModel(data.vocab_size, embedding_dim=8, hidden_size=8, num_layers=2, optimizer="adam",
                               lr=0.01)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, limit_train_batches=6, logger=False,
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, limit_train_batches=6,
+                         logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=2, num_sanity_val_steps=0, gradient_clip_val=0.5)
     trainer.fit(model, datamodule=data)

@@ -59,8 +59,8 @@ def test_sphinx_site_builds_without_warnings(tmp_path):
     pytest.importorskip("sphinx")
     pytest.importorskip("myst_parser")
     out = tmp_path / "html"
-    result = run_command([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
-                         timeout=170)
+    sphinx = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)]
+    result = run_command(sphinx, timeout=170)
     assert result.returncode == 0, result.stdout[-4000:]
     for page in PAGES:
         assert (out / f"{page}.html").is_file(), page

@@ -92,7 +92,9 @@ def _runs(strategy, devices: int, predict_only: bool = False) -> dict:
 
 
 def _worker(rank: int, world_size: int, strategy_kwargs: dict, predict_only: bool) -> dict:
-    factory = lambda: MPLSTMStrategy(**{"report_after_steps": None, "timeout": 60, **strategy_kwargs})
+    def factory() -> MPLSTMStrategy:
+        return MPLSTMStrategy(**{"report_after_steps": None, "timeout": 60, **strategy_kwargs})
+
     result = _runs(factory, world_size, predict_only)
     result["own"] = [n for n, _ in _model().named_parameters() if n in result.get("hooks", {}).get("params", {})]
     return result

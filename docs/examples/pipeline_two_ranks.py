@@ -7,9 +7,9 @@ by re-running this script; both ranks build the same (seeded) data and model.
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from single_process import tiny_data, tiny_model  # the sibling example (docs/examples/single_process.py)
 
 from lightning_mp_lstm import MPLSTMStrategy
-from single_process import tiny_data, tiny_model  # the sibling example (docs/examples/single_process.py)
 
 
 def main() -> None:
