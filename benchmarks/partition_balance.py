@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
+from lightning_mp_lstm.partition import microbatch_step_time  # noqa: E402
 from tests.multiprocess import run_ranks  # noqa: E402
 
 VOCAB, LENGTH = 10_000, 35
@@ -143,14 +144,13 @@ def main() -> None:
     slower = min(results[f"even (m={m})"], results[f"mxnet2 (m={m})"], key=lambda r: r["steps_per_s"])
     print(f"balanced2 speed-up over the slower of even/mxnet2 at m={m}: "
           f"{balanced['steps_per_s'] / slower['steps_per_s']:.3f} (goal >= 1.15)")
-    # What the 1F1B step model, (m - 1) x busiest stage + sum of stages, predicts from the measured stage
-    # times, and its bound: a perfect split (every stage at the mean) of the slower run's work.
-    def step(times: list[float]) -> float:
-        return (m - 1) * max(times) + sum(times)
-
+    # What the 1F1B step model predicts from the measured stage times, and its bound: a perfect split
+    # (every stage at the mean) of the slower run's work.
+    slow_step = microbatch_step_time(slower["stage_times"], m)
     perfect = [statistics.mean(slower["stage_times"])] * len(slower["stage_times"])
-    print(f"  predicted from measured stage times: {step(slower['stage_times']) / step(balanced['stage_times']):.3f}; "
-          f"a perfect split: {step(slower['stage_times']) / step(perfect):.3f}")
+    print(f"  predicted from measured stage times: "
+          f"{slow_step / microbatch_step_time(balanced['stage_times'], m):.3f}; "
+          f"a perfect split: {slow_step / microbatch_step_time(perfect, m):.3f}")
     if args.no_sweep:
         return
     fixed = {k: v["steps_per_s"] for k, v in results.items() if k.startswith("balanced2") and "auto" not in k}
