@@ -114,10 +114,11 @@ def _worker(
     results = {}
     for name, per_round in runs.items():
         stage_times = [statistics.median(ts) for ts in zip(*(r["stage_times"] for r in per_round))]
+        intervals = [t for r in per_round for t in r["intervals"]]
         results[name] = {
-            "intervals": [t for r in per_round for t in r["intervals"]],
+            "intervals": intervals,
             "round_steps_per_s": [1.0 / statistics.median(r["intervals"]) for r in per_round],
-            "steps_per_s": 1.0 / statistics.median([t for r in per_round for t in r["intervals"]]),
+            "steps_per_s": 1.0 / statistics.median(intervals),
             "stage_times": stage_times,
             "partition": per_round[-1]["partition"],
             "m": [r["m"] for r in per_round],
