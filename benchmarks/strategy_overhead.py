@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
 from lightning_mp_lstm.model import token_loss_sum  # noqa: E402
 from lightning_mp_lstm.partition import even_partition  # noqa: E402
-from tests.multiprocess import run_ranks  # noqa: E402
+from tests.helpers import run_ranks  # noqa: E402
 
 VOCAB, EMBED, HIDDEN, LAYERS = 2000, 256, 256, 4
 ROWS, LENGTH, MICROBATCHES, SCHEDULE = 64, 35, 8, "1F1B"

@@ -13,10 +13,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from lightning_mp_lstm.app import train
-from tests.multiprocess import free_port, run_command, start_command
+from tests.helpers import free_port, run_command, start_command
 
 ROOT = Path(__file__).resolve().parents[1]
-PTB = ROOT.parent / "shared" / "data" / "ptb"
 TINY = [
     "trainer=ci",
     "data.synthetic.num_train=300",
@@ -49,14 +48,14 @@ def test_train_on_the_synthetic_default(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_train_on_ptb_files(tmp_path):
+def test_train_on_ptb_files(tmp_path, ptb):
     torch.set_num_threads(1)
     overrides = [
         "trainer=ci",
         "data=ptb",
-        f"data.train={PTB / 'ptb.valid.txt'}",
-        f"data.valid={PTB / 'ptb.test.txt'}",
-        f"data.test={PTB / 'ptb.test.txt'}",
+        f"data.train={ptb / 'ptb.valid.txt'}",
+        f"data.valid={ptb / 'ptb.test.txt'}",
+        f"data.test={ptb / 'ptb.test.txt'}",
         "buckets=mxnet",
         "model.hidden_size=16",
         "model.embedding_dim=16",

@@ -23,30 +23,16 @@ import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.data import LMDataModule
 from lightning_mp_lstm.data.vocab import Vocabulary
-from tests.multiprocess import run_ranks
-from tests.test_pipeline_equivalence import VOCAB, _batches, _rel
-from tests.test_strategy_fit import FixedBatches
+from tests.helpers import VOCAB, FixedBatches, ValLosses, rel_error, run_ranks
 
 N_EPOCHS, M_EPOCHS = 2, 1  # fit N epochs on pp=2, then resume for M more on another layout
 SYNTHETIC = {"source": "synthetic", "batch_size": 8, "num_auto_buckets": 3,
              "synthetic": {"num_train": 200, "num_valid": 20, "num_test": 20, "vocab_size": 40, "max_length": 12}}
 
 
-class ThreeBatches(FixedBatches):
+def _three_batches() -> FixedBatches:
     """Three training batches of 8 rows per epoch, two validation batches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.train = _batches(8, lengths=(5, 9, 7), seed=3)
-
-
-class ValLosses(pl.Callback):
-    def __init__(self) -> None:
-        self.values: list[float] = []
-
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            self.values.append(float(trainer.callback_metrics["val/loss"]))
+    return FixedBatches((5, 9, 7))
 
 
 def _model(lr: float = 0.01, vocab: int = VOCAB) -> LSTMLanguageModel:
@@ -91,7 +77,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     # 1. N epochs on pp=2 (1F1B, even partition), Adam; a checkpoint at the end.
     model = _model()
     trainer = _trainer(_pp2(), 2)
-    trainer.fit(model, datamodule=ThreeBatches())
+    trainer.fit(model, datamodule=_three_batches())
     trainer.save_checkpoint(tmp_dir / "n.ckpt")
     optimizer = trainer.optimizers[0]
     out["params"] = _params(model)
@@ -118,7 +104,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     # 3. Resume for M more epochs on a different layout: interleaved, 4 stages of one block each.
     model = _model()
     trainer = _trainer(_pp2(stages_per_rank=2, schedule="Interleaved1F1B"), 2, max_epochs=N_EPOCHS + M_EPOCHS)
-    trainer.fit(model, datamodule=ThreeBatches(), ckpt_path=tmp_dir / "n.ckpt")
+    trainer.fit(model, datamodule=_three_batches(), ckpt_path=tmp_dir / "n.ckpt")
     trainer.save_checkpoint(tmp_dir / "resumed_interleaved.ckpt")
     out["resumed_params"] = _params(model)
     out["resumed_global_step"] = trainer.global_step
@@ -128,7 +114,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     val_losses = ValLosses()
     best = ModelCheckpoint(dirpath=tmp_dir / "best", monitor="val/loss", mode="min", save_top_k=1, filename="{epoch}")
     trainer = _trainer(_pp2(), 2, max_epochs=4, callbacks=[val_losses, best])
-    trainer.fit(model, datamodule=ThreeBatches())
+    trainer.fit(model, datamodule=_three_batches())
     trainer.strategy.barrier()
     out["best"] = {"path": best.best_model_path, "score": float(best.best_model_score), "val": val_losses.values,
                    "files": sorted(os.listdir(tmp_dir / "best"))}
@@ -157,7 +143,7 @@ def _reference_fit(
     torch.set_num_threads(1)
     model = _model(lr=lr)
     trainer = _trainer("auto", 1, max_epochs=max_epochs, callbacks=callbacks)
-    trainer.fit(model, datamodule=ThreeBatches(), ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=_three_batches(), ckpt_path=ckpt_path)
     return trainer, model
 
 
@@ -202,7 +188,7 @@ def test_checkpoint_loads_into_one_process_with_the_same_validation_loss(run):
         for name, value in r["params"].items():
             assert torch.equal(model.state_dict()[name], value), name
     trainer = _trainer("auto", 1)
-    (metrics,) = trainer.validate(model, datamodule=ThreeBatches(), verbose=False)
+    (metrics,) = trainer.validate(model, datamodule=_three_batches(), verbose=False)
     assert metrics["val/loss"] == pytest.approx(results[0]["val_loss"], rel=1e-6)
     assert results[0]["val_loss"] == results[1]["val_loss"]
     # And the plain torch.load route.
@@ -221,19 +207,19 @@ def test_resume_on_other_layouts_equals_an_uninterrupted_run(run):
     assert merged.keys() == reference.keys()
     assert results[0]["resumed_global_step"] == 3 * (N_EPOCHS + M_EPOCHS)
     for name, ref in reference.items():
-        assert _rel(merged[name], ref) < 1e-5, name
+        assert rel_error(merged[name], ref) < 1e-5, name
     # pp=2 -> one process, Lightning's default strategy.
     trainer, resumed = _reference_fit(N_EPOCHS + M_EPOCHS, ckpt_path=tmp / "n.ckpt")
     assert trainer.global_step == 3 * (N_EPOCHS + M_EPOCHS)
     for name, param in _params(resumed).items():
-        assert _rel(param, reference[name]) < 1e-5, name
+        assert rel_error(param, reference[name]) < 1e-5, name
     # Without the optimizer state the resumed run differs (so the comparison above is meaningful).
     ckpt = _load(tmp / "n.ckpt")
     assert ckpt["optimizer_states"][0]["state"]
     ckpt["optimizer_states"][0]["state"] = {}
     torch.save(ckpt, tmp / "no_optimizer_state.ckpt")
     _, stateless = _reference_fit(N_EPOCHS + M_EPOCHS, ckpt_path=tmp / "no_optimizer_state.ckpt")
-    assert max(_rel(p, reference[n]) for n, p in _params(stateless).items()) > 1e-3
+    assert max(rel_error(p, reference[n]) for n, p in _params(stateless).items()) > 1e-3
 
 
 @pytest.mark.timeout(200)

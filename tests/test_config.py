@@ -36,8 +36,16 @@ def test_every_group_is_covered():
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_composes_and_resolves(group, option):
     cfg = _compose(f"{group}={option}", *MANDATORY.get((group, option), []))
+    # The option's own values arrive in the composed config (interpolations resolve; overrides win).
+    own = OmegaConf.load(CONF / group / f"{option}.yaml")
+    given = {o.split("=", 1)[0] for o in MANDATORY.get((group, option), [])}
+    section = own.get(group, {}) if "# @package _global_" in (CONF / group / f"{option}.yaml").read_text() else own
+    for key in section:
+        if key == "defaults" or f"{group}.{key}" in given or OmegaConf.is_interpolation(section, key):
+            continue
+        if not OmegaConf.is_missing(section, key):
+            assert cfg[group][key] == section[key], (group, option, key)
     OmegaConf.resolve(cfg)  # every interpolation resolves
-    assert cfg[group] is not None
     if group == "model":
         model = hydra.utils.instantiate(cfg.model, vocab_size=50)
         assert model.hparams.num_layers == cfg.model.num_layers

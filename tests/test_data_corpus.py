@@ -12,9 +12,6 @@ import pytest
 from lightning_mp_lstm.data.corpus import CorpusError, read_sentences, resolve_split_paths
 from lightning_mp_lstm.data.download import PTB_SHA256, download_ptb
 
-PTB_DIR = Path("/work/shared/data/ptb")
-needs_ptb = pytest.mark.skipif(not (PTB_DIR / "ptb.valid.txt").is_file(), reason="shared PTB files not available")
-
 
 def _write(path: Path, data: str | bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -25,10 +22,9 @@ def _write(path: Path, data: str | bytes) -> Path:
 
 
 # ----------------------------------------------------------------- reading
-@needs_ptb
-def test_read_real_ptb_valid() -> None:
-    sentences = read_sentences(PTB_DIR / "ptb.valid.txt")
-    lines = [ln for ln in (PTB_DIR / "ptb.valid.txt").read_text().split("\n") if ln.strip()]
+def test_read_real_ptb_valid(ptb: Path) -> None:
+    sentences = read_sentences(ptb / "ptb.valid.txt")
+    lines = [ln for ln in (ptb / "ptb.valid.txt").read_text().split("\n") if ln.strip()]
     assert len(sentences) == len(lines) == 3370
     assert sentences[0] == [*lines[0].split(), "<eos>"]
     assert all(s[-1] == "<eos>" and "<eos>" not in s[:-1] for s in sentences)
@@ -148,15 +144,13 @@ def test_resolve_nonexistent_and_missing_inputs(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- download
 @pytest.fixture
-def remote(tmp_path: Path) -> tuple[str, dict[str, str]]:
+def remote(ptb: Path, tmp_path: Path) -> tuple[str, dict[str, str]]:
     """A file:// "server" holding the shared PTB valid/test files (valid doubles as train)."""
-    if not (PTB_DIR / "ptb.valid.txt").is_file():
-        pytest.skip("shared PTB files not available")
     srv = tmp_path / "server"
     srv.mkdir()
-    shutil.copy(PTB_DIR / "ptb.valid.txt", srv / "ptb.train.txt")
-    shutil.copy(PTB_DIR / "ptb.valid.txt", srv / "ptb.valid.txt")
-    shutil.copy(PTB_DIR / "ptb.test.txt", srv / "ptb.test.txt")
+    shutil.copy(ptb / "ptb.valid.txt", srv / "ptb.train.txt")
+    shutil.copy(ptb / "ptb.valid.txt", srv / "ptb.valid.txt")
+    shutil.copy(ptb / "ptb.test.txt", srv / "ptb.test.txt")
     train_hash = hashlib.sha256((srv / "ptb.train.txt").read_bytes()).hexdigest()
     return srv.as_uri() + "/", {"train": train_hash}
 

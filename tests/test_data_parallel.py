@@ -10,8 +10,7 @@ import torch
 
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.data import LMDataModule
-from tests.multiprocess import run_ranks
-from tests.test_pipeline_equivalence import _rel
+from tests.helpers import rel_error, run_ranks
 
 SYNTHETIC = {"num_train": 240, "num_valid": 40, "num_test": 40, "vocab_size": 1000}
 
@@ -55,5 +54,5 @@ def test_data_parallel_equals_single_process(reference, kwargs):
     results = run_ranks(_worker, 2, kwargs, timeout=160)
     for r in results:  # replicas hold identical parameters, equal to one process on the global batch
         for name, ref in reference["params"].items():
-            assert _rel(r["params"][name], ref) < 1e-5, name
+            assert rel_error(r["params"][name], ref) < 1e-5, name
         assert r["val"] == pytest.approx(reference["val"], rel=1e-5)

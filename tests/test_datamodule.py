@@ -14,8 +14,6 @@ from torch.nn import functional as F
 
 from lightning_mp_lstm.data import CorpusError, LMBatch, LMDataModule, Vocabulary
 
-PTB_DIR = Path("/work/shared/data/ptb")
-needs_ptb = pytest.mark.skipif(not (PTB_DIR / "ptb.valid.txt").is_file(), reason="shared PTB files not available")
 SMALL = {"num_train": 600, "num_valid": 100, "num_test": 80}
 
 
@@ -62,9 +60,8 @@ def test_synthetic_is_deterministic_and_configurable() -> None:
     assert [x.inputs.tolist() for x in a.train_dataloader()] == [x.inputs.tolist() for x in b.train_dataloader()]
 
 
-@needs_ptb
-def test_ptb_files_train_on_valid_evaluate_on_test(caplog: pytest.LogCaptureFixture) -> None:
-    valid, test = str(PTB_DIR / "ptb.valid.txt"), str(PTB_DIR / "ptb.test.txt")
+def test_ptb_files_train_on_valid_evaluate_on_test(ptb: Path, caplog: pytest.LogCaptureFixture) -> None:
+    valid, test = str(ptb / "ptb.valid.txt"), str(ptb / "ptb.test.txt")
     dm = LMDataModule(source="ptb", train=valid, valid=test, test=test, buckets=[8, 16, 24, 32, 60], batch_size=64)
     dm.setup("fit")
     words = {t for line in Path(valid).read_text().split("\n") for t in line.split()}
@@ -83,10 +80,9 @@ def test_ptb_files_train_on_valid_evaluate_on_test(caplog: pytest.LogCaptureFixt
     assert any((b.targets == unk).any() for b in dm.val_dataloader())
 
 
-@needs_ptb
-def test_ptb_directory_and_auto_buckets(tmp_path: Path) -> None:
+def test_ptb_directory_and_auto_buckets(ptb: Path, tmp_path: Path) -> None:
     for split, src in (("train", "ptb.valid.txt"), ("valid", "ptb.test.txt"), ("test", "ptb.test.txt")):
-        (tmp_path / f"ptb.{split}.txt").write_bytes((PTB_DIR / src).read_bytes())
+        (tmp_path / f"ptb.{split}.txt").write_bytes((ptb / src).read_bytes())
     dm = LMDataModule(source="ptb", path=str(tmp_path), buckets="auto", num_auto_buckets=4, max_tokens=1000)
     assert LMDataModule(source="ptb", path=str(tmp_path), num_auto_buckets=None).num_auto_buckets == 5
     dm.setup()
@@ -164,8 +160,7 @@ def test_bad_inputs_raise_clear_errors(tmp_path: Path) -> None:
         LMDataModule(source="text", path=str(tmp_path)).setup()
 
 
-@needs_ptb
-def test_prepare_data_downloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepare_data_downloads(ptb: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import hashlib
     import shutil
 
@@ -175,7 +170,7 @@ def test_prepare_data_downloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     srv = tmp_path / "srv"
     srv.mkdir()
     for split, src in (("train", "ptb.valid.txt"), ("valid", "ptb.valid.txt"), ("test", "ptb.test.txt")):
-        shutil.copy(PTB_DIR / src, srv / f"ptb.{split}.txt")
+        shutil.copy(ptb / src, srv / f"ptb.{split}.txt")
     train_hash = hashlib.sha256((srv / "ptb.train.txt").read_bytes()).hexdigest()
     calls = []
 

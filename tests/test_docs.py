@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.multiprocess import run_command
+from tests.helpers import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -14,28 +14,7 @@ from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.model import LSTMLanguageModel
 from lightning_mp_lstm.partition import even_partition
 from lightning_mp_lstm.pipeline import all_reduce_gradients, build_pipeline
-from tests.multiprocess import run_ranks
-
-VOCAB = 37
-
-
-def _batches(global_rows: int, lengths: tuple[int, ...], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Bucketed, padded batches: each row has a random number of real tokens, the rest is padding 0."""
-    g = torch.Generator().manual_seed(seed)
-    batches = []
-    for length in lengths:
-        tokens = torch.randint(1, VOCAB, (global_rows, length + 1), generator=g)
-        real = torch.randint(1, length + 1, (global_rows,), generator=g)
-        real[0] = length  # at least one full row
-        mask = torch.arange(length)[None, :] < real[:, None]
-        inputs = tokens[:, :-1] * mask
-        targets = tokens[:, 1:] * mask
-        batches.append((inputs, targets))
-    return batches
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+from tests.helpers import VOCAB, lm_batches, rel_error, run_ranks
 
 
 def _compare_worker(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
@@ -56,7 +35,7 @@ def _compare_worker(rank: int, world_size: int, configs: list[dict]) -> list[dic
                                 torch.device("cpu"))
         share = 2 * layout.n_microbatches - (1 if ragged else 0)
         worst = {"loss": 0.0, "grad": 0.0, "params": 0}
-        for inputs, targets in _batches(share * layout.data_parallel_size, lengths=(5, 9)):
+        for inputs, targets in lm_batches(share * layout.data_parallel_size, lengths=(5, 9)):
             model.zero_grad(set_to_none=True)
             reference.zero_grad(set_to_none=True)
             rows = slice(dp_rank * share, (dp_rank + 1) * share)
@@ -65,10 +44,10 @@ def _compare_worker(rank: int, world_size: int, configs: list[dict]) -> list[dic
             ref_loss, ref_tokens = reference._local_loss((inputs, targets))
             ref_loss.backward()
             assert int(n_tokens) == int(ref_tokens)
-            worst["loss"] = max(worst["loss"], _rel(loss, ref_loss.detach()))
+            worst["loss"] = max(worst["loss"], rel_error(loss, ref_loss.detach()))
             ref_params = dict(reference.named_parameters())
             for name, p in model.named_parameters():
-                worst["grad"] = max(worst["grad"], _rel(p.grad, ref_params[name].grad))
+                worst["grad"] = max(worst["grad"], rel_error(p.grad, ref_params[name].grad))
             worst["params"] = len(list(model.parameters()))
         # One stage + schedule per bucket shape, built lazily and reused (none for a one-stage pipeline).
         worst["shapes"] = runner.cached_shapes

@@ -16,9 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_mp_lstm
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
-from tests.multiprocess import run_ranks
-from tests.test_pipeline_equivalence import VOCAB
-from tests.test_strategy_fit import FixedBatches
+from tests.helpers import VOCAB, FixedBatches, run_ranks
 
 TIMEOUT = 8.0  # the strategy's process-group timeout, seconds
 CRASHED_RANK, CRASH_BATCH = 1, 2

@@ -10,13 +10,7 @@ import torch
 
 import lightning_mp_lstm  # noqa: F401
 from lightning_mp_lstm import LayoutError, LSTMLanguageModel, MPLSTMStrategy, PartitionError
-from tests.multiprocess import run_ranks
-from tests.test_pipeline_equivalence import VOCAB
-from tests.test_strategy_fit import FixedBatches
-
-
-class BatchOf8(FixedBatches):
-    batch_size = 8
+from tests.helpers import VOCAB, FixedBatches, run_ranks
 
 
 def _trainer(strategy, devices=2, **kwargs):
@@ -60,7 +54,7 @@ def _bad_setup_worker(rank: int, world_size: int) -> list[str]:
         model = LSTMLanguageModel(VOCAB, **{"embedding_dim": 6, "hidden_size": 8, "num_layers": 2, **model_kwargs})
         trainer = _trainer(MPLSTMStrategy(**strategy_kwargs))
         try:
-            trainer.fit(model, datamodule=BatchOf8())
+            trainer.fit(model, datamodule=FixedBatches())
             messages.append("no error")
         except (LayoutError, PartitionError) as err:
             messages.append(f"{type(err).__name__}: {err}")

@@ -1,0 +1,264 @@
+"""Shared test helpers: tiny models and batches, fixed data modules, error measures, the PTB location, and
+running functions or commands on several processes under a deadline.
+
+Test modules import from here (and get fixtures from ``conftest.py``); they never import each other.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader
+
+from lightning_mp_lstm import LSTMLanguageModel
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The environment variable that overrides where the PTB files are.
+PTB_ENV = "LIGHTNING_MP_LSTM_PTB_DIR"
+#: Vocabulary size of the hand-made batches.
+VOCAB = 37
+
+
+# ----- data ------------------------------------------------------------------------------------------------
+def ptb_dir() -> Path:
+    """The directory with ``ptb.valid.txt`` and ``ptb.test.txt``: ``$LIGHTNING_MP_LSTM_PTB_DIR``, else
+    ``../shared/data/ptb`` next to the repository. A test that needs them fails (CI has them), never skips."""
+    path = Path(os.environ.get(PTB_ENV) or ROOT.parent / "shared" / "data" / "ptb")
+    missing = [name for name in ("ptb.valid.txt", "ptb.test.txt") if not (path / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"PTB files {missing} not found in {path}; set {PTB_ENV} to their directory")
+    return path
+
+
+def lm_batches(rows: int, lengths: Iterable[int], seed: int = 1, vocab: int = VOCAB) -> list[tuple[torch.Tensor, ...]]:
+    """Bucketed, padded ``(inputs, targets)`` batches: each row has a random number of real tokens, the rest
+    is padding 0; the first row of every batch is full."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for length in lengths:
+        tokens = torch.randint(1, vocab, (rows, length + 1), generator=g)
+        real = torch.randint(1, length + 1, (rows,), generator=g)
+        real[0] = length
+        mask = torch.arange(length)[None, :] < real[:, None]
+        batches.append((tokens[:, :-1] * mask, tokens[:, 1:] * mask))
+    return batches
+
+
+class FixedBatches(pl.LightningDataModule):
+    """Fixed global batches; each data-parallel replica gets its contiguous share of every batch.
+
+    Args:
+        train_lengths: the bucket length of each training batch (one batch per entry).
+        rows: global sentences per batch.
+        seed: seed of the training batches (validation uses ``seed + 1``).
+    """
+
+    bucket_lengths = [5, 9]
+
+    def __init__(self, train_lengths: Iterable[int] = (5, 9, 7, 5, 9), rows: int = 8, seed: int = 3) -> None:
+        super().__init__()
+        self.batch_size = rows  # global sentences per batch, as LMDataModule exposes it
+        self.train = lm_batches(rows, train_lengths, seed=seed)
+        self.val = lm_batches(rows, (6, 9), seed=4)
+
+    def _shard(self, batches: list) -> DataLoader:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        replicas, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
+        out = []
+        for x, y in batches:
+            share = x.shape[0] // replicas
+            out.append((x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]))
+        return DataLoader(out, batch_size=None)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._shard(self.train)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._shard(self.val)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._shard(self.val)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._shard(self.val)
+
+
+def tiny_model(num_layers: int = 2, vocab: int = VOCAB, seed: int = 0, **kwargs: Any) -> LSTMLanguageModel:
+    """The tests' LSTM language model: embedding 6, hidden 8, seeded."""
+    torch.manual_seed(seed)
+    return LSTMLanguageModel(vocab, **{"embedding_dim": 6, "hidden_size": 8, "num_layers": num_layers, **kwargs})
+
+
+def quiet_trainer(strategy: Any, devices: int, callbacks: Iterable[pl.Callback] = (), **kwargs: Any) -> pl.Trainer:
+    """A CPU Trainer without logger, checkpointing (unless a ModelCheckpoint is given), progress bar or summary."""
+    callbacks = list(callbacks)
+    settings = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks))
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, callbacks=callbacks,
+                      **{**settings, **kwargs})
+
+
+class ValLosses(pl.Callback):
+    """Records the validation loss after every validation epoch (not the sanity check)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.values.append(float(trainer.callback_metrics["val/loss"]))
+
+
+class TrainLosses(pl.Callback):
+    """Records ``(global_step, train/loss)`` after every training batch: the logged loss curve."""
+
+    def __init__(self) -> None:
+        self.values: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.values.append((trainer.global_step, float(trainer.callback_metrics["train/loss"])))
+
+
+# ----- comparisons -----------------------------------------------------------------------------------------
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius norms)."""
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of ``model``'s parameters by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_ranks_match(per_rank: list[Mapping[str, torch.Tensor]], reference: Mapping[str, torch.Tensor],
+                       tol: float = 1e-5) -> None:
+    """Every rank's parameters equal the reference's of the same name, and the ranks together hold them all.
+
+    Each rank is checked on its own (replicas included), so a replica that drifted cannot hide behind another.
+    """
+    held: set[str] = set()
+    for rank, params in enumerate(per_rank):
+        assert params, f"rank {rank} holds no parameters"
+        for name, value in params.items():
+            assert name in reference, (rank, name)
+            error = rel_error(value, reference[name])
+            assert error < tol, f"rank {rank} parameter {name}: relative error {error:.2e}"
+        held |= set(params)
+    assert held == set(reference), sorted(set(reference) ^ held)
+
+
+def assert_same_predictions(got: list[dict], expected: list[dict]) -> None:
+    """Predict-step outputs equal: as many batches, every row of every batch, log-probabilities and
+    ``next_token`` and the mask."""
+    assert len(got) == len(expected) > 0
+    for batch_got, batch_ref in zip(got, expected):
+        assert set(batch_got) == {"log_probs", "next_token", "mask"}
+        for key in ("log_probs", "next_token", "mask"):
+            assert batch_got[key].shape == batch_ref[key].shape, key
+        torch.testing.assert_close(batch_got["log_probs"], batch_ref["log_probs"], rtol=1e-5, atol=1e-6)
+        assert torch.equal(batch_got["next_token"], batch_ref["next_token"])
+        assert torch.equal(batch_got["mask"], batch_ref["mask"])
+
+
+# ----- processes -------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0")
+    torch.set_num_threads(1)
+    result = fn(rank, world_size, *args)
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+              allow_missing: bool = False) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes and return their results.
+
+    The ranks find each other through the ``MASTER_ADDR``/``MASTER_PORT``/``RANK`` environment, the same
+    variables ``torchrun`` sets (so Lightning treats them as externally launched). A rank that raises fails
+    the call with its traceback; ranks still alive at the deadline are killed. With ``allow_missing``, a rank
+    that died without a result (killed on purpose) gives ``None`` instead of failing the call.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    if ctx.join(timeout=1):
+                        break
+                except mp.ProcessExitedException:
+                    if not allow_missing:
+                        raise
+                    if all(not p.is_alive() for p in ctx.processes):
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish in {timeout:.0f} s")
+        finally:
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.kill()
+        results = []
+        for rank in range(world_size):
+            path = Path(out_dir, f"rank{rank}.pkl")
+            results.append(pickle.loads(path.read_bytes()) if path.exists() or not allow_missing else None)
+        return results
+
+
+def run_command(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run ``args`` from the repository root in its own process group, one CPU thread per process.
+
+    Whatever it launches (Lightning's rank processes, torchrun workers) is killed with it if it outlives
+    ``timeout``; the call then raises ``TimeoutError`` with the tail of the output.
+    """
+    proc = start_command(args, **env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(args)} did not finish in {timeout:.0f} s; output:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, None)
+
+
+def start_command(args: list[str], **env: str) -> subprocess.Popen:
+    """Start ``args`` like :func:`run_command` does, without waiting; kill it with ``os.killpg``."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
+    return subprocess.Popen(args, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes of process group ``pgid`` (Linux ``/proc``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            pids.append(int(entry.name))
+    return pids
