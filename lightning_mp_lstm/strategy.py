@@ -32,7 +32,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
@@ -40,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm import planner
+from lightning_mp_lstm.launcher import JobLauncher
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.partition import (
     PartitionError,
@@ -261,7 +261,7 @@ class MPLSTMStrategy(ParallelStrategy):
             layout.check_world_size(world_size)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -582,6 +582,15 @@ class MPLSTMStrategy(ParallelStrategy):
         super().teardown()
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
+
+    def shutdown(self) -> None:
+        """End the job: wait for the processes this strategy launched and release the process group, so that
+        another ``Trainer`` in this process (the next job of a Hydra multirun) starts its own set of processes.
+
+        Call it once no more ``fit``/``validate``/``test``/``predict`` calls will run with this strategy.
+        """
+        if isinstance(self._launcher, JobLauncher):
+            self._launcher.release()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
