@@ -152,23 +152,27 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks=[checkpoint],
         logger=CSVLogger(str(run_dir), name="logs", version=""),
     )
-    started = time.perf_counter()
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    fit_seconds = time.perf_counter() - started
-    summary: dict[str, Any] = {
-        "fit_seconds": fit_seconds,
-        "tokens_per_s": float(trainer.callback_metrics.get("train/tokens_per_s_epoch", float("nan"))),
-        "checkpoint": checkpoint.best_model_path or checkpoint.last_model_path,
-        "logs": str(Path(trainer.logger.log_dir)) if trainer.logger else None,
-        "entropy_floor_ppl": getattr(datamodule, "entropy_floor", None),
-        "unigram_ppl": getattr(datamodule, "unigram_perplexity", None),
-    }
-    if cfg.evaluate:
-        for split, run in (("val", trainer.validate), ("test", trainer.test)):
-            results = run(model, datamodule=datamodule, verbose=False)
-            loss = float(results[0][f"{split}/loss"])
-            summary[f"{split}_loss"] = loss
-            summary[f"{split}_ppl"] = perplexity(loss)
+    try:
+        started = time.perf_counter()
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        fit_seconds = time.perf_counter() - started
+        summary: dict[str, Any] = {
+            "fit_seconds": fit_seconds,
+            "tokens_per_s": float(trainer.callback_metrics.get("train/tokens_per_s_epoch", float("nan"))),
+            "checkpoint": checkpoint.best_model_path or checkpoint.last_model_path,
+            "logs": str(Path(trainer.logger.log_dir)) if trainer.logger else None,
+            "entropy_floor_ppl": getattr(datamodule, "entropy_floor", None),
+            "unigram_ppl": getattr(datamodule, "unigram_perplexity", None),
+        }
+        if cfg.evaluate:
+            for split, run in (("val", trainer.validate), ("test", trainer.test)):
+                results = run(model, datamodule=datamodule, verbose=False)
+                loss = float(results[0][f"{split}/loss"])
+                summary[f"{split}_loss"] = loss
+                summary[f"{split}_ppl"] = perplexity(loss)
+    finally:
+        if isinstance(strategy, MPLSTMStrategy):
+            strategy.shutdown()  # end this job's processes: the next job of a multirun starts its own
     if trainer.is_global_zero:
         print(format_summary(summary))
     return summary

@@ -262,3 +262,23 @@ def processes_in_group(pgid: int) -> list[int]:
         if group == pgid and state != "Z":
             pids.append(int(entry.name))
     return pids
+
+
+def run_command_and_leftovers(args: list[str], timeout: float, **env: str) -> tuple[subprocess.CompletedProcess,
+                                                                                     list[int]]:
+    """:func:`run_command`, plus the pids of its process group still alive once it exited (the processes it
+    left behind); those are then killed, so none outlives the caller."""
+    proc = start_command(args, **env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(args)} did not finish in {timeout:.0f} s; output:\n{out[-4000:]}") from None
+    leftovers = processes_in_group(proc.pid)
+    if leftovers:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(args, proc.returncode, out, None), leftovers
