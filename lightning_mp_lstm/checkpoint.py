@@ -3,24 +3,112 @@
 Every process holds only its own blocks. On save, rank 0 gathers every process's tensors into one
 state dict with the full model's parameter names, so a checkpoint written by any layout loads into
 any other (one process included). On load, each process takes the entries of its own parameters.
+Checkpoints written by Lightning's one-process strategies (optimizer state keyed by position) load too.
+
+Files are written atomically (:class:`AtomicCheckpointIO`) and read with a clear error for a damaged file
+(:func:`read_checkpoint`).
 """
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import _load as lightning_load
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
 __all__ = [
+    "AtomicCheckpointIO",
+    "CheckpointError",
     "gather_to_rank_zero",
     "load_local_optimizer_state",
-    "merge_optimizer_states",
     "local_model_state",
+    "merge_optimizer_states",
+    "name_keyed_optimizer_state",
     "optimizer_state_by_name",
+    "read_checkpoint",
 ]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the model: the message says which file or tensor."""
+
+
+def read_checkpoint(path: str | os.PathLike, load: Any = None) -> dict[str, Any]:
+    """Load a checkpoint file, with a message that names the file when it is truncated or not a checkpoint.
+
+    Args:
+        path: the file (local or any fsspec URL).
+        load: the reader, e.g. a ``CheckpointIO``'s ``load_checkpoint``; default: Lightning's, onto the CPU.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        CheckpointError: the file exists but is not a complete checkpoint.
+    """
+    fs = get_filesystem(path)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        checkpoint = load(path) if load is not None else lightning_load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # noqa: BLE001  (torch gives EOFError, KeyError, RuntimeError, OSError...)
+        size = fs.size(path)
+        raise CheckpointError(
+            f"checkpoint {path} ({size:,} bytes) cannot be read: it is truncated or not a checkpoint "
+            f"({type(error).__name__}: {error or 'end of file'}); a run killed while saving leaves the previous "
+            "file intact, so resume from that one"
+        ) from error
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"{path} holds no model state ('state_dict'): it is not a Lightning checkpoint")
+    return checkpoint
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO, writing local files atomically in their own directory.
+
+    The file is written to a hidden temporary file next to the target, flushed to disk, then renamed over
+    it: a run killed at any moment leaves either the previous file or the new one, never a mix.
+    (Lightning's default writes the temporary file in the system's temporary directory and moves it; when
+    that is another file system the move is a copy, which a kill can interrupt.) Remote paths
+    (``s3://``...) use Lightning's writer.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
+        fs = get_filesystem(path)
+        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            super().save_checkpoint(checkpoint, path)
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a writer that was killed
+            stale.unlink(missing_ok=True)
+        temporary = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(temporary, "wb") as handle:
+                _serialize(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a power cut
+        finally:
+            os.close(directory)
+
+
+def _serialize(checkpoint: dict[str, Any], handle: Any) -> None:
+    torch.save(checkpoint, handle)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -92,6 +180,33 @@ def merge_optimizer_states(
     return merged
 
 
+def name_keyed_optimizer_state(state: Mapping[str, Any], parameter_names: Sequence[str]) -> dict[str, Any]:
+    """A positional optimizer state (what ``optimizer.state_dict()`` gives, saved by a one-process strategy)
+    keyed by parameter name instead.
+
+    Args:
+        state: an optimizer state dict; returned unchanged when it is already keyed by name.
+        parameter_names: the names of the full model's parameters in the order the optimizer held them
+            (``named_parameters()`` order, which ``configure_optimizers`` over ``self.parameters()`` keeps).
+
+    Raises:
+        CheckpointError: the state lists another number of parameters than ``parameter_names``.
+    """
+    positions = [i for group in state["param_groups"] for i in group["params"]]
+    if not positions or not all(isinstance(i, int) for i in positions):
+        return dict(state)
+    if sorted(positions) != list(range(len(parameter_names))):
+        raise CheckpointError(
+            f"the checkpoint's optimizer state is keyed by position (written by a one-process strategy) and "
+            f"lists {len(positions)} parameters, but the model has {len(parameter_names)}: they cannot be paired "
+            "by name; resume with the model the checkpoint was written for"
+        )
+    return {
+        "state": {parameter_names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**g, "params": [parameter_names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
 def load_local_optimizer_state(
     optimizer: torch.optim.Optimizer, module: nn.Module, state: Mapping[str, Any]
 ) -> None:
@@ -106,7 +221,7 @@ def load_local_optimizer_state(
     groups_by_name = {n: i for i, g in enumerate(state["param_groups"]) for n in g["params"]}
     missing = [n for n in names if n not in groups_by_name]
     if missing:
-        raise KeyError(f"the checkpoint's optimizer state has no entry for parameters {missing}")
+        raise CheckpointError(f"the checkpoint's optimizer state has no entry for parameters {missing}")
     index = {n: i for i, n in enumerate(names)}
     local_groups = []
     for group in optimizer.param_groups:
@@ -116,14 +231,33 @@ def load_local_optimizer_state(
     optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
 
 
-def local_model_state(module: nn.Module, full_state: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``full_state`` that belong to ``module`` (a pruned model).
+def local_model_state(
+    module: nn.Module, full_state: Mapping[str, Any], strict: bool = True, full_keys: Iterable[str] | None = None
+) -> dict[str, Any]:
+    """The entries of ``full_state`` that belong to ``module`` (a pruned model), checked against it.
+
+    Args:
+        module: this process's part of the model.
+        full_state: the checkpoint's model state (every block).
+        strict: raise for entries the model lacks (``full_keys``) or the checkpoint lacks; otherwise skip them.
+        full_keys: the state-dict keys of the whole, unpruned model (for the unexpected-entry check).
 
     Raises:
-        KeyError: a parameter or buffer of ``module`` is missing from ``full_state``.
+        CheckpointError: with ``strict``, a missing or unexpected entry; always, a tensor whose shape differs
+            from the model's (the message names the tensor and both shapes).
     """
-    wanted = module.state_dict().keys()
-    missing = [k for k in wanted if k not in full_state]
-    if missing:
-        raise KeyError(f"the checkpoint has no entry for {missing}; it holds {sorted(full_state)[:20]}...")
-    return {k: full_state[k] for k in wanted}
+    own = module.state_dict()
+    missing = [k for k in own if k not in full_state]
+    unexpected = sorted(set(full_state) - set(full_keys)) if full_keys is not None else []
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"the checkpoint does not fit the model: missing {missing or 'nothing'}, unexpected "
+            f"{unexpected or 'nothing'}; load with strict=False (LightningModule.strict_loading = False) to skip them"
+        )
+    for key, value in own.items():
+        if key in full_state and tuple(full_state[key].shape) != tuple(value.shape):
+            raise CheckpointError(
+                f"the checkpoint's {key} has shape {tuple(full_state[key].shape)} but the model's has shape "
+                f"{tuple(value.shape)}: the checkpoint is of a different model size (or vocabulary)"
+            )
+    return {k: full_state[k] for k in own if k in full_state}

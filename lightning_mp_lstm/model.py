@@ -92,6 +92,12 @@ class LSTMLanguageModel(pl.LightningModule):
         init_range: float | None = 0.1,
     ) -> None:
         super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("embedding_dim", embedding_dim),
+                            ("hidden_size", hidden_size), ("num_layers", num_layers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if tie_weights and embedding_dim != hidden_size:
             raise ValueError(
                 f"tie_weights=True needs embedding_dim == hidden_size, got {embedding_dim} and {hidden_size}"

@@ -153,6 +153,11 @@ def validate_partition(
         raise PartitionError(
             f"stages must be a list of lists of block names, got {type(stages).__name__}: {stages!r}"
         )
+    if stages and all(isinstance(stage, str) for stage in stages):
+        raise PartitionError(
+            f"the partition is a flat list of block names {list(stages)!r}; give one list of block names per "
+            f"stage, e.g. [['embedding', 'lstm.0'], ['lstm.1', 'decoder']]; valid block names are: {valid}"
+        )
     result: list[list[str]] = []
     for s, stage in enumerate(stages):
         if not _is_sequence_of_names(stage):

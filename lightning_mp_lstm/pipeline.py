@@ -9,9 +9,11 @@ receive buffers at its first step and cannot serve another shape afterwards (the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,7 +24,7 @@ from lightning_mp_lstm.data.bucketing import LMBatch, pad_batch_rows
 from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.model import prediction_from_logits, token_loss_sum
 
-__all__ = ["PipelineRunner", "StageModule", "all_reduce_gradients", "build_pipeline"]
+__all__ = ["PipelineRunner", "StageModule", "StageRandomness", "all_reduce_gradients", "build_pipeline"]
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -41,24 +43,122 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class StageRandomness:
+    """The random number stream of one pipeline stage of one replica (dropout masks).
+
+    Every process starts from the same global random state, so without this stage 1's first dropout mask
+    would equal stage 0's. Each stage draws from its own stream instead, seeded from ``(seed, replica,
+    stage)``: independent across stages and replicas, identical for the same seed.
+
+    Args:
+        seed: the run's seed (Lightning's ``seed_everything`` value).
+        replica: data-parallel rank.
+        stage: global pipeline stage index.
+        device: where the stage runs (its generator is the one dropout uses there).
+    """
+
+    def __init__(self, seed: int, replica: int, stage: int, device: torch.device) -> None:
+        stream_seed = int(np.random.SeedSequence([seed % 2**63, replica, stage]).generate_state(1, np.uint64)[0])
+        self.device = device
+        self._cpu = torch.Generator().manual_seed(stream_seed).get_state()
+        self._accelerator = None
+        if device.type == "cuda":
+            generator = torch.Generator(device=device)
+            generator.manual_seed(stream_seed)
+            self._accelerator = generator.get_state()
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Draw from this stage's stream inside the block; the global stream is untouched."""
+        saved_cpu = torch.get_rng_state()
+        torch.set_rng_state(self._cpu)
+        saved_accelerator = None
+        if self._accelerator is not None:
+            saved_accelerator = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(self._accelerator, self.device)
+        try:
+            yield
+        finally:
+            self._cpu = torch.get_rng_state()
+            torch.set_rng_state(saved_cpu)
+            if saved_accelerator is not None:
+                self._accelerator = torch.cuda.get_rng_state(self.device)
+                torch.cuda.set_rng_state(saved_accelerator, self.device)
+
+
 class StageModule(nn.Module):
     """A contiguous run of model blocks acting as one pipeline stage.
 
+    In training it draws dropout masks from its own :class:`StageRandomness` (when given) and notes, without
+    synchronizing, whether each block's output stayed finite, so a non-finite loss can be traced to the
+    first block that produced one (:meth:`first_non_finite`).
+
     Args:
         blocks: ``(name, module)`` pairs in model order; the modules are shared, not copied.
+        randomness: this stage's random stream; ``None`` uses the global one.
     """
 
-    def __init__(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], randomness: StageRandomness | None = None) -> None:
         super().__init__()
         self.block_names = [name for name, _ in blocks]
         self.blocks = nn.ModuleList(module for _, module in blocks)
+        self.randomness = randomness
+        self._finite: list[torch.Tensor | None] = [None] * len(self.block_names)
+        #: Set while torch's pipelining infers shapes: it runs the stage on uninitialized tensors.
+        self.inferring_shapes = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point() and x.requires_grad:
             x = _ContiguousGrad.apply(x)
-        for block in self.blocks:
-            x = block(x)
+        watch = self.training and torch.is_grad_enabled() and not self.inferring_shapes
+        if self.inferring_shapes:
+            random = torch.random.fork_rng(devices=[self.randomness.device] if _on_cuda(self.randomness) else [])
+        elif self.randomness is not None and self.training:
+            random = self.randomness.active()
+        else:
+            random = _no_context()
+        with random:
+            for i, block in enumerate(self.blocks):
+                x = block(x)
+                if watch and x.is_floating_point():
+                    finite = torch.isfinite(x.detach()).all()
+                    self._finite[i] = finite if self._finite[i] is None else self._finite[i] & finite
         return x.contiguous()
+
+    def reset_finite_checks(self) -> None:
+        """Forget the finite-output notes (before each training batch)."""
+        self._finite = [None] * len(self.block_names)
+
+    def first_non_finite(self) -> str | None:
+        """The first of this stage's blocks whose output was not finite since the last reset, if any."""
+        for name, finite in zip(self.block_names, self._finite):
+            if finite is not None and not bool(finite):
+                return name
+        return None
+
+
+@contextmanager
+def _no_context() -> Iterator[None]:
+    yield
+
+
+def _on_cuda(randomness: StageRandomness | None) -> bool:
+    return randomness is not None and randomness.device.type == "cuda"
+
+
+class _Stage(PipelineStage):
+    """``PipelineStage`` that tells its module when it runs only to infer shapes.
+
+    torch infers the shapes a stage sends from a first forward (and backward) on uninitialized tensors; that
+    pass must neither draw dropout masks nor count as a non-finite output.
+    """
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        self.submod.inferring_shapes = True
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            self.submod.inferring_shapes = False
 
 
 class PipelineRunner:
@@ -105,6 +205,9 @@ class PipelineRunner:
         accumulated into ``.grad`` (summed, not yet reduced across data-parallel replicas).
         """
         inputs, targets = self._padded(batch)
+        if train:
+            for module in self.stage_modules.values():
+                module.reset_finite_checks()
         n_tokens = self._all_reduce_dp((targets != 0).sum())
         scale = self.accumulate_grad_batches() if train else 1
         self._divisor = (n_tokens * scale).clamp(min=1).to(torch.float32)
@@ -156,6 +259,28 @@ class PipelineRunner:
             out = {k: torch.cat([s[k] for s in shards]).to(self.device) for k in out}
         return out
 
+    def non_finite_source(self) -> str:
+        """Where the last training batch first produced a non-finite value (call on every rank: a collective).
+
+        Returns:
+            e.g. ``"block lstm.1 (stage 1, pipeline rank 1, replica 0)"``, or a note that every block's output
+            was finite (then the loss itself overflowed).
+        """
+        local = []
+        for index, module in sorted(self.stage_modules.items()):
+            block = module.first_non_finite()
+            if block is not None:
+                local.append((index, block))
+        found: list[Any] = [local]
+        if dist.is_available() and dist.is_initialized():
+            found = [None] * dist.get_world_size()
+            dist.all_gather_object(found, local)
+        for rank, blocks in enumerate(found):
+            for stage, block in blocks:
+                replica, pipeline_rank = self.layout.coordinates(rank)
+                return f"block {block} (stage {stage}, pipeline rank {pipeline_rank}, replica {replica})"
+        return "no block: every block's output was finite, the loss itself is not"
+
     @property
     def cached_shapes(self) -> list[tuple[int, int, str]]:
         """Keys ``(batch, length, mode)`` of the stages + schedules built so far."""
@@ -195,7 +320,7 @@ class PipelineRunner:
     def _build_schedule(self, with_loss: bool) -> Any:
         layout = self.layout
         stages = [
-            PipelineStage(module, index, layout.num_stages, self.device, group=self.pipeline_group)
+            _Stage(module, index, layout.num_stages, self.device, group=self.pipeline_group)
             for index, module in self.stage_modules.items()
         ]
         schedule_cls = get_schedule_class(layout.schedule)
@@ -225,6 +350,8 @@ def build_pipeline(
     data_parallel_group: dist.ProcessGroup | None,
     device: torch.device,
     accumulate_grad_batches: Callable[[], int] = lambda: 1,
+    seed: int | None = None,
+    data_parallel_rank: int = 0,
 ) -> PipelineRunner:
     """Prune ``model`` to the blocks of ``pipeline_rank``'s stages and attach a runner to it.
 
@@ -237,6 +364,8 @@ def build_pipeline(
         data_parallel_group: process group of this pipeline rank's replicas.
         device: this process's device.
         accumulate_grad_batches: see :class:`PipelineRunner`.
+        seed: seed of every stage's own random stream (:class:`StageRandomness`); ``None``: the global one.
+        data_parallel_rank: this process's replica (replicas draw different dropout masks).
 
     Returns:
         The runner, also stored as ``model.pipeline``.
@@ -244,7 +373,13 @@ def build_pipeline(
     stage_ids = layout.stage_indices(pipeline_rank)
     model.keep_blocks([name for s in stage_ids for name in partition[s]])
     model.pipeline = PipelineRunner(
-        stage_modules={s: StageModule(model.blocks(partition[s])) for s in stage_ids},
+        stage_modules={
+            s: StageModule(
+                model.blocks(partition[s]),
+                StageRandomness(seed, data_parallel_rank, s, device) if seed is not None else None,
+            )
+            for s in stage_ids
+        },
         layout=layout,
         pipeline_group=pipeline_group,
         data_parallel_group=data_parallel_group,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from lightning_mp_lstm.partition import (
 __all__ = [
     "block_costs",
     "choose_n_microbatches",
+    "microbatch_candidates",
     "example_input",
     "median_interval",
     "model_shape",
@@ -110,6 +112,31 @@ def stage_seconds(
     return times
 
 
+def microbatch_candidates(layout: ParallelLayout, batch_rows: int, max_microbatches: int = 32) -> list[int]:
+    """The microbatch counts ``n_microbatches: auto`` may choose: divisors of the per-replica batch, at most
+    ``max_microbatches``, that the layout's schedule accepts.
+
+    Raises:
+        LayoutError: there is none (the message names the batch, the schedule and the stage count).
+    """
+    candidates = []
+    for m in range(1, min(batch_rows, max_microbatches) + 1):
+        if batch_rows % m:
+            continue
+        try:
+            replace(layout, n_microbatches=m)
+        except LayoutError:
+            continue
+        candidates.append(m)
+    if not candidates:
+        raise LayoutError(
+            f"n_microbatches='auto' found no count: none of 1..{min(batch_rows, max_microbatches)} divides the "
+            f"per-replica batch of {batch_rows} sentences and suits schedule {layout.schedule} with "
+            f"{layout.num_stages} stages; use a larger batch_size or a fixed n_microbatches"
+        )
+    return candidates
+
+
 def choose_n_microbatches(
     model: Any,
     partition: Sequence[Sequence[str]],
@@ -133,15 +160,9 @@ def choose_n_microbatches(
     blocks = dict(model.blocks())
     owner = {name: s for s, stage in enumerate(partition) for name in stage}
     rank_of = {s: r for r in range(layout.pipeline_parallel_size) for s in layout.stage_indices(r)}
-    pp, v = layout.pipeline_parallel_size, layout.stages_per_rank
+    pp = layout.pipeline_parallel_size
     predictions: dict[int, float] = {}
-    for m in range(1, min(batch_rows, max_microbatches) + 1):
-        if batch_rows % m:
-            continue
-        try:
-            ParallelLayout(layout.data_parallel_size, pp, v, layout.schedule, m)
-        except LayoutError:
-            continue
+    for m in microbatch_candidates(layout, batch_rows, max_microbatches):
         with _untouched(list(blocks.values()), device):
             tokens = example_input(blocks["embedding"], batch_rows // m, length, model.hparams.vocab_size, device)
             per_block = profile_block_times(blocks, tokens, repeats=3, warmup=1)
@@ -149,11 +170,6 @@ def choose_n_microbatches(
         for name, seconds in per_block.items():
             per_rank[rank_of[owner[name]]] += seconds
         predictions[m] = microbatch_step_time(per_rank, m)
-    if not predictions:
-        raise LayoutError(
-            f"no number of microbatches up to {max_microbatches} divides the per-replica batch of {batch_rows} "
-            f"and suits schedule {layout.schedule} with {layout.num_stages} stages"
-        )
     best = min(predictions, key=lambda m: (predictions[m], m))
     return best, predictions
 

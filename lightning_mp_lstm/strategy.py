@@ -39,9 +39,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm import planner
+from lightning_mp_lstm.faults import PeerDirectory, everywhere, result_from
 from lightning_mp_lstm.launcher import JobLauncher
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.partition import (
+    COST_KINDS,
     PartitionError,
     PartitionReport,
     even_partition,
@@ -74,6 +76,42 @@ def _mesh_timeout_override(backend: str, timeout: timedelta) -> dict[str, Any] |
         options._timeout = timeout
         override[name] = (backend, options)
     return override
+
+
+def _check_options(
+    partition: Any, balance_by: str, stage_speeds: Any, n_microbatches: Any, timeout: Any, num_threads: Any
+) -> None:
+    """Reject option values that can never work, when the strategy is built (on every rank, before any process
+    group exists); checks that need the model or the world size run in ``setup_environment``."""
+    if balance_by not in COST_KINDS:
+        raise PartitionError(f"unknown balance_by {balance_by!r}; allowed: {', '.join(COST_KINDS)}")
+    if isinstance(partition, str):
+        kind = partition.split(":", 1)[1] if partition.startswith("balanced:") else None
+        if partition not in ("even", "balanced") and kind not in COST_KINDS:
+            raise PartitionError(
+                f"unknown partition {partition!r}; allowed: 'even', 'balanced', "
+                f"{', '.join(repr('balanced:' + k) for k in COST_KINDS)}, or one list of block names per stage"
+            )
+    elif partition is not None and (
+        not isinstance(partition, Sequence) or any(isinstance(stage, str) for stage in partition)
+    ):
+        raise PartitionError(
+            f"partition must be 'even', 'balanced' or one list of block names per stage "
+            f"(e.g. [['embedding', 'lstm.0'], ['lstm.1', 'decoder']]), got {partition!r}"
+        )
+    if stage_speeds is not None and (
+        isinstance(stage_speeds, str) or not all(isinstance(v, (int, float)) and v > 0 for v in stage_speeds)
+    ):
+        raise PartitionError(f"stage_speeds must be positive numbers, one per stage, got {stage_speeds!r}")
+    if not (n_microbatches is None or n_microbatches == "auto" or str(n_microbatches).isdigit()) or str(
+        n_microbatches
+    ) == "0":
+        raise LayoutError(f"n_microbatches must be a positive integer, None or 'auto', got {n_microbatches!r}")
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    if num_threads != "auto" and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive integer or 'auto', got {num_threads!r}")
 
 
 class MPLSTMStrategy(ParallelStrategy):
@@ -134,17 +172,16 @@ class MPLSTMStrategy(ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else ckpt.AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
+        _check_options(partition, balance_by, stage_speeds, n_microbatches, timeout, num_threads)
         self._pipeline_parallel_size = pipeline_parallel_size
         self._data_parallel_size = data_parallel_size
         self._data_parallel_weights = list(data_parallel_weights) if data_parallel_weights is not None else None
         self._stages_per_rank = stages_per_rank
         self._partition_option = partition
         self._schedule = schedule
-        if not (n_microbatches is None or n_microbatches == "auto" or str(n_microbatches).isdigit()):
-            raise LayoutError(f"n_microbatches must be a positive integer, None or 'auto', got {n_microbatches!r}")
         self._n_microbatches = n_microbatches
         self._balance_by = balance_by
         self._stage_speeds = list(stage_speeds) if stage_speeds is not None else None
@@ -159,6 +196,9 @@ class MPLSTMStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._partition: list[list[str]] | None = None
         self._batch_grads: list[Tensor | None] = []
+        self._peers: PeerDirectory | None = None
+        self._full_state_keys: list[str] | None = None
+        self._full_parameter_names: list[str] | None = None
         if pipeline_parallel_size != "auto":
             self._make_layout(int(pipeline_parallel_size) * int(data_parallel_size))
 
@@ -257,8 +297,7 @@ class MPLSTMStrategy(ParallelStrategy):
         # Lightning calls this when the Trainer is built: fail on a wrong process count before any launch.
         world_size = self.num_nodes * self.num_processes
         if world_size:
-            layout = self._make_layout(world_size) if self._pipeline_parallel_size == "auto" else self.layout
-            layout.check_world_size(world_size)
+            self._resolve_layout(world_size).check_world_size(world_size)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -269,10 +308,20 @@ class MPLSTMStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
+    def _resolve_layout(self, world_size: int) -> ParallelLayout:
+        """The layout for ``world_size`` processes, built once: later ``validate``/``test``/``predict`` calls
+        keep what ``fit`` resolved (``n_microbatches: auto`` included)."""
+        layout = self._layout
+        if layout is not None and (self._pipeline_parallel_size != "auto" or layout.world_size == world_size):
+            return layout
+        return self._make_layout(world_size)
+
     def setup_environment(self) -> None:
         super().setup_environment()
-        layout = self._make_layout(self.world_size) if self._pipeline_parallel_size == "auto" else self.layout
+        layout = self._resolve_layout(self.world_size)
         layout.check_world_size(self.world_size)
+        # Everything that can be wrong is checked here, on every rank, before the first collective.
+        self._check_model_and_data(self.lightning_module)
         self._set_num_threads()
         reset_seed()
         self.set_world_ranks()
@@ -291,6 +340,8 @@ class MPLSTMStrategy(ParallelStrategy):
                 mesh_dim_names=("data_parallel", "pipeline_parallel"),
                 backend_override=_mesh_timeout_override(self._process_group_backend, self._timeout),
             )
+        if _distributed_is_initialized() and self._peers is None:
+            self._peers = PeerDirectory.gather()
 
     def _set_num_threads(self) -> None:
         if self.root_device.type != "cpu":
@@ -305,21 +356,12 @@ class MPLSTMStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         model = self.lightning_module
-        if not hasattr(model, "keep_blocks") or not hasattr(model, "block_names"):
-            raise TypeError(
-                f"{type(self).__name__} splits models made of named blocks, such as "
-                f"lightning_mp_lstm.LSTMLanguageModel; got {type(model).__name__}"
-            )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                f"precision {type(self.precision_plugin).__name__} with a gradient scaler is not supported: "
-                "the pipeline runs backward itself; use precision='32-true' or 'bf16-mixed'"
-            )
         self._plan(model, trainer)
-        layout = self.layout
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._check_batch_size(trainer)
         self._check_tied_weights(model)
+        layout = self.layout
+        if self._full_state_keys is None:  # the whole model, before the first pruning
+            self._full_state_keys = list(model.state_dict())
+            self._full_parameter_names = [name for name, _ in model.named_parameters()]
         mesh = self.device_mesh
         build_pipeline(
             model,
@@ -330,6 +372,8 @@ class MPLSTMStrategy(ParallelStrategy):
             data_parallel_group=mesh["data_parallel"].get_group(),
             device=self.root_device,
             accumulate_grad_batches=lambda: trainer.accumulate_grad_batches,
+            seed=torch.initial_seed(),  # Lightning's seed_everything value, re-applied by reset_seed()
+            data_parallel_rank=self.data_parallel_rank,
         )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -342,43 +386,73 @@ class MPLSTMStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _check_model_and_data(self, model: Any) -> None:
+        """Every check that needs the model, the layout or the data's batch size; runs on every rank before
+        the first collective, so a bad setting fails everywhere at once instead of hanging the others."""
+        if not hasattr(model, "keep_blocks") or not hasattr(model, "block_names"):
+            raise TypeError(
+                f"{type(self).__name__} splits models made of named blocks, such as "
+                f"lightning_mp_lstm.LSTMLanguageModel; got {type(model).__name__}"
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"precision {type(self.precision_plugin).__name__} with a gradient scaler is not supported: "
+                "the pipeline runs backward itself; use precision='32-true' or 'bf16-mixed'"
+            )
+        layout, names, option = self.layout, model.block_names, self._partition_option
+        stages = layout.num_stages
+        if isinstance(option, Sequence) and not isinstance(option, str):
+            self._partition = validate_partition(option, names, stages)
+        elif stages > len(names):
+            raise PartitionError(
+                f"the layout has {stages} pipeline stages (pipeline_parallel_size={layout.pipeline_parallel_size} x "
+                f"stages_per_rank={layout.stages_per_rank}) but the model has {len(names)} blocks "
+                f"({', '.join(names)}); every stage needs a block: use at most {len(names)} stages or more layers"
+            )
+        elif option in (None, "even"):
+            self._partition = even_partition(names, stages)
+        if self._stage_speeds is not None and len(self._stage_speeds) != stages:
+            raise PartitionError(
+                f"stage_speeds has {len(self._stage_speeds)} values but the layout has {stages} stages; "
+                "give one relative speed per stage"
+            )
+        if self._partition is not None:
+            self._check_tied_weights(model)
+        trainer = model.trainer
+        if str(self._n_microbatches) == "auto" and self._report is None:
+            planner.microbatch_candidates(layout, self._profile_shape(trainer, rows_only=True)[0])
+        elif trainer.state.fn == TrainerFn.FITTING:
+            self._check_batch_size(trainer)
+
     def _plan(self, model: Any, trainer: pl.Trainer) -> None:
         """Resolve the partition and ``n_microbatches: auto``, then log the partition report.
 
-        Profiling (``balanced`` by time, ``auto`` microbatches) runs once, on global rank 0, and the
-        result is broadcast. Without it the report's costs are analytic FLOPs.
+        Profiling (``balanced`` by time, ``auto`` microbatches) runs once, on global rank 0; the result, or
+        the error it raised, reaches every rank. Without profiling the report's costs are analytic FLOPs.
         """
         if self._report is not None:
             return  # planned at the first setup (fit); validate/test/predict reuse the plan
         names, num_stages = model.block_names, self.layout.num_stages
         option = self._partition_option
         balanced = isinstance(option, str) and option.split(":")[0] == "balanced"
-        kind = option.split(":", 1)[1] if balanced and ":" in option else self._balance_by
+        kind = (option.split(":", 1)[1] if ":" in option else self._balance_by) if balanced else "flops"
         auto_m = str(self._n_microbatches) == "auto"
-        if option is None or option == "even":
-            partition = even_partition(names, num_stages)
-        elif isinstance(option, str) and not balanced:
-            raise PartitionError(
-                f"unknown partition {option!r}; allowed: 'even', 'balanced[:time|flops|memory]', "
-                "or lists of block names per stage"
-            )
-        elif not balanced:
-            partition = validate_partition([list(stage) for stage in option], names, num_stages)
-        if not balanced:
-            kind = "flops"
         rows, length = self._profile_shape(trainer)
-        plan: dict[str, Any] = {}
-        if self.global_rank == 0:
+
+        def plan_on_rank_zero() -> dict[str, Any]:
+            plan: dict[str, Any] = {}
             microbatch_rows = max(1, rows // self.layout.n_microbatches)
             plan["costs"] = planner.block_costs(model, kind, microbatch_rows, length, self.root_device)
             plan["partition"] = (
-                partition_blocks(names, plan["costs"], num_stages, self._stage_speeds) if balanced else partition
+                partition_blocks(names, plan["costs"], num_stages, self._stage_speeds) if balanced else self._partition
             )
             if auto_m:
                 plan["n_microbatches"], plan["predictions"] = planner.choose_n_microbatches(
                     model, plan["partition"], self.layout, rows, length, self.root_device
                 )
-        plan = self.broadcast(plan)
+            return plan
+
+        plan = result_from(0, plan_on_rank_zero)
         self._partition = plan["partition"]
         if auto_m:
             self._layout = replace(self.layout, n_microbatches=plan["n_microbatches"])
@@ -398,15 +472,18 @@ class MPLSTMStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             rank_zero_info(f"mp_lstm: {self.layout}\npartition (costs by {kind}):\n{report}")
 
-    def _profile_shape(self, trainer: pl.Trainer) -> tuple[int, int]:
+    def _profile_shape(self, trainer: pl.Trainer, rows_only: bool = False) -> tuple[int, int]:
         """Per-replica batch rows and mean padded sentence length of the training data (defaults: 32 x 35).
 
         The length follows the bucket mix (``mean_padded_length`` of :class:`LMDataModule`, weighted by how
         many sentences each bucket holds); other datamodules give the plain mean of ``bucket_lengths``.
+        ``rows_only`` skips the length (it reads the data, which is not set up before ``setup``).
         """
         datamodule = trainer.datamodule
         rows = getattr(datamodule, "batch_size", None) or 32
         rows = max(1, int(rows) // self.layout.data_parallel_size)
+        if rows_only:
+            return rows, 0
         length = getattr(datamodule, "mean_padded_length", None)
         if length is None:
             lengths = getattr(datamodule, "bucket_lengths", None) or [35]
@@ -463,9 +540,9 @@ class MPLSTMStrategy(ParallelStrategy):
         """Time every stage on its own process at this batch's microbatch shape; report on rank 0."""
         model = self.lightning_module
         rows = -(-int(batch[0].shape[0]) // self.layout.n_microbatches)
-        local = planner.stage_seconds(
+        local = everywhere(lambda: planner.stage_seconds(
             model.pipeline.stage_modules, rows, int(batch[0].shape[1]), model.hparams.vocab_size, self.root_device
-        )
+        ))
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
         merged = {s: t for part in reversed(gathered) for s, t in part.items()}
@@ -489,7 +566,31 @@ class MPLSTMStrategy(ParallelStrategy):
         self._batch_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
             p.grad = grad
+        self._check_finite(output)
         return output
+
+    def _check_finite(self, output: Any) -> None:
+        """Stop at a non-finite training loss, naming the step and the first block that produced one.
+
+        The loss is the global one on every rank (broadcast from the last stage, summed over replicas), so
+        every rank stops here together.
+        """
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
+            return
+        trainer = self.lightning_module.trainer
+        source = self.lightning_module.pipeline.non_finite_source()
+        raise FloatingPointError(
+            f"mp_lstm: the training loss is {float(loss.detach())} at global step {trainer.global_step} "
+            f"(epoch {trainer.current_epoch}, batch_idx {trainer.fit_loop.epoch_loop.batch_idx}); the first "
+            f"non-finite value came from {source}. Lower the learning rate, clip gradients "
+            "(gradient_clip_val) or check the data"
+        )
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the rank that failed when this rank's error is only the symptom of losing it."""
+        if self._peers is not None:
+            self._peers.explain(exception)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Add the gradients the pipeline computed in ``training_step``, firing the backward hooks around it."""
@@ -570,12 +671,25 @@ class MPLSTMStrategy(ParallelStrategy):
         blocks = self.lightning_module.block_names
         return ckpt.merge_optimizer_states(parts, block_names=blocks) if parts is not None else {}
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write the gathered checkpoint on global rank 0 (atomically, see
+        :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`); a failed write fails every rank."""
+        io = self.checkpoint_io
+        result_from(0, lambda: io.save_checkpoint(checkpoint, filepath, storage_options=storage_options))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint on every rank; a truncated or foreign file gets a message naming it."""
+        return ckpt.read_checkpoint(checkpoint_path, load=self.checkpoint_io.load_checkpoint)
+
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module
-        module.load_state_dict(ckpt.local_model_state(module, checkpoint["state_dict"]), strict=strict)
+        own = ckpt.local_model_state(module, checkpoint["state_dict"], strict=strict, full_keys=self._full_state_keys)
+        module.load_state_dict(own, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        names = self._full_parameter_names or [name for name, _ in self.lightning_module.named_parameters()]
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            state = ckpt.name_keyed_optimizer_state(state, names)  # a one-process checkpoint is keyed by position
             ckpt.load_local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, state)
 
     def teardown(self) -> None:

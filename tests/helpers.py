@@ -203,14 +203,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         deadline = time.monotonic() + timeout
         try:
             while True:
-                try:
-                    if ctx.join(timeout=1):
+                if allow_missing:
+                    # Not ctx.join(): it SIGTERMs every other rank as soon as one exits with an error.
+                    if not any(p.is_alive() for p in ctx.processes):
                         break
-                except mp.ProcessExitedException:
-                    if not allow_missing:
-                        raise
-                    if all(not p.is_alive() for p in ctx.processes):
-                        break
+                    time.sleep(0.2)
+                elif ctx.join(timeout=1):
+                    break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish in {timeout:.0f} s")
         finally:

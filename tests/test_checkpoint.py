@@ -7,20 +7,21 @@ run in this process.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import signal
 import warnings
 from pathlib import Path
 
-import fsspec.implementations.local
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.fabric.utilities.cloud_io import _atomic_save
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
+from lightning_mp_lstm import checkpoint as checkpoint_module
+from lightning_mp_lstm.checkpoint import AtomicCheckpointIO, read_checkpoint
 from lightning_mp_lstm.data import LMDataModule
 from lightning_mp_lstm.data.vocab import Vocabulary
 from tests.helpers import VOCAB, FixedBatches, ValLosses, rel_error, run_ranks
@@ -57,15 +58,17 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 
 class _FailingWrite:
-    """Replaces ``LocalFileOpener.write``: writes half of the bytes, then fails like a full disk."""
+    """Replaces the checkpoint writer: writes half of the bytes, then fails like a full disk."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def __call__(self, opener, data, *args, **kwargs):
-        opener.f.write(bytes(data)[: len(data) // 2])
-        opener.f.flush()
-        self.calls.append(getattr(opener, "temp", opener.path))
+    def __call__(self, checkpoint, handle):
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        handle.write(buffer.getvalue()[: buffer.tell() // 2])
+        handle.flush()
+        self.calls.append(handle.name)
         raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
 
@@ -87,17 +90,16 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
 
     # 2. The same path overwritten by a save that fails half-way through writing (on rank 0, the writer).
     failing = _FailingWrite()
-    original_write = fsspec.implementations.local.LocalFileOpener.write
+    original_write = checkpoint_module._serialize
     if rank == 0:
-        fsspec.implementations.local.LocalFileOpener.write = lambda self, data, *a, **k: failing(self, data)
+        checkpoint_module._serialize = failing
     try:
         trainer.save_checkpoint(tmp_dir / "n.ckpt")
         out["failed_save"] = None
-    except OSError as err:
+    except OSError as err:  # every rank gets the writer's error (no rank is left waiting in a barrier)
         out["failed_save"] = str(err)
-        trainer.strategy.barrier()  # the barrier Trainer.save_checkpoint skipped when the write raised
     finally:
-        fsspec.implementations.local.LocalFileOpener.write = original_write
+        checkpoint_module._serialize = original_write
     out["failed_writes"] = failing.calls
     out["temp_left"] = [p for p in failing.calls if os.path.exists(p)]
 
@@ -283,11 +285,12 @@ def test_data_module_vocabulary_is_in_the_checkpoint(run):
 @pytest.mark.timeout(200)
 def test_a_save_failing_mid_write_keeps_the_previous_checkpoint(run):
     results, tmp = run
-    # Rank 0 (the writer) got the error half-way through writing; rank 1 wrote nothing.
+    # Rank 0 (the writer) got the error half-way through writing; rank 1 wrote nothing but raises it too.
     assert "No space left on device" in results[0]["failed_save"] and len(results[0]["failed_writes"]) == 1
-    assert results[1]["failed_save"] is None and results[1]["failed_writes"] == []
-    # The write went to a temporary file (fsspec transaction), discarded on the error.
-    assert results[0]["failed_writes"][0] != str(tmp / "n.ckpt") and results[0]["temp_left"] == []
+    assert results[1]["failed_save"] == results[0]["failed_save"] and results[1]["failed_writes"] == []
+    # The write went to a temporary file next to the target, removed on the error.
+    written = Path(results[0]["failed_writes"][0])
+    assert written.parent == tmp and written.name.startswith(".n.ckpt.tmp-") and results[0]["temp_left"] == []
     ckpt = _load(tmp / "n.ckpt")  # still the complete checkpoint of step 1
     for r in results:
         for name, value in r["params"].items():
@@ -296,34 +299,38 @@ def test_a_save_failing_mid_write_keeps_the_previous_checkpoint(run):
 
 @pytest.mark.timeout(60)
 def test_a_process_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
+    """The project's writer (AtomicCheckpointIO), killed by SIGKILL half-way through a file."""
     path = tmp_path / "model.ckpt"
-    _atomic_save({"state_dict": {"w": torch.arange(4096.0)}}, path)
+    writer = AtomicCheckpointIO()
+    writer.save_checkpoint({"state_dict": {"w": torch.arange(4096.0)}}, path)
     before = path.read_bytes()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: dies by SIGKILL after writing half of a new checkpoint to the same path
         try:
-            def write_half_then_die(opener, data, *args, **kwargs):
-                opener.f.write(bytes(data)[: len(data) // 2])
-                opener.f.flush()
-                os.write(write_end, getattr(opener, "temp", opener.path).encode())
+            def write_half_then_die(checkpoint, handle):
+                buffer = io.BytesIO()
+                torch.save(checkpoint, buffer)
+                handle.write(buffer.getvalue()[: buffer.tell() // 2])
+                handle.flush()
+                os.write(write_end, handle.name.encode())
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            fsspec.implementations.local.LocalFileOpener.write = write_half_then_die
-            _atomic_save({"state_dict": {"w": torch.zeros(8192)}}, path)
+            checkpoint_module._serialize = write_half_then_die
+            writer.save_checkpoint({"state_dict": {"w": torch.zeros(8192)}}, path)
         finally:
             os._exit(3)
     os.close(write_end)
     _, status = os.waitpid(pid, 0)
-    written_to = os.read(read_end, 4096).decode()
+    written_to = Path(os.read(read_end, 4096).decode())
     os.close(read_end)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    assert written_to and written_to != str(path)
+    assert written_to.parent == tmp_path and written_to != path and written_to.is_file()
     assert path.read_bytes() == before
-    assert torch.equal(torch.load(path)["state_dict"]["w"], torch.arange(4096.0))
-    # The half-written temporary file is left behind (fsspec puts it in the system temp directory).
-    if os.path.exists(written_to):
-        os.remove(written_to)
+    assert torch.equal(read_checkpoint(path)["state_dict"]["w"], torch.arange(4096.0))
+    # The next save removes the dead writer's half-written file.
+    writer.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
 
 
 def test_merged_optimizer_state_lists_parameters_in_model_order():

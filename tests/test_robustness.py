@@ -51,7 +51,7 @@ def _crash_worker(rank: int, world_size: int, flags: str) -> dict:
     try:
         trainer.fit(model, datamodule=FixedBatches())
     except Exception as err:  # noqa: BLE001  (reported to the parent)
-        out.update(error=type(err).__name__, message=str(err)[:500])
+        out.update(error=type(err).__name__, message=str(err)[:1000])
     out.update(ended_at=time.time(), steps=trainer.global_step, group_timeouts=callback.group_timeouts,
                crashed_at=getattr(callback, "crashed_at", None))
     Path(flags, f"done{rank}").touch()
@@ -79,6 +79,9 @@ def test_a_crashed_rank_ends_every_rank_within_the_timeout(tmp_path):
         # The pipeline peer (rank 0) and the other replica (ranks 2, 3: blocked in the gradient all-reduce
         # and in their own pipeline) all fail with a gloo error instead of waiting for the stuck rank.
         assert result["error"] == "RuntimeError", (rank, result)
+        # ...and each names the rank that failed, and why, not only the transport's message.
+        assert result["message"].startswith(f"mp_lstm: rank {rank} stopped because it lost a peer: rank 1 (pid "), rank
+        assert "failed with RuntimeError: simulated failure on rank 1 at batch 2" in result["message"], rank
         assert "Timed out" in result["message"] or "Connection closed by peer" in result["message"], (rank, result)
         assert result["steps"] <= CRASH_BATCH
         waited = result["ended_at"] - crashed["crashed_at"]

@@ -1,0 +1,211 @@
+"""When something goes wrong on one rank: every rank raises the same error, and a lost peer is named.
+
+Two situations, two tools:
+
+* Work that runs on one rank while the others wait for its result (planning on rank 0, writing a checkpoint)
+  or on every rank before a collective: :func:`result_from` and :func:`everywhere` share the outcome, an
+  exception included, so every rank raises the same message within seconds instead of waiting for a peer
+  that already gave up.
+* A peer that died (``SIGKILL``, out of memory) or failed somewhere no collective protects: the survivors'
+  next collective fails after the process-group timeout at most, with a transport message ("Connection closed
+  by peer [127.0.0.1]:29500") that names no rank. :class:`PeerDirectory` remembers every rank's host and pid
+  and the failures ranks report, and turns that message into one that names the failed rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["PeerDirectory", "everywhere", "looks_like_lost_peer", "result_from"]
+
+T = TypeVar("T")
+
+_FAILURE_KEY = "mp_lstm/failure/{rank}"
+# What gloo and nccl say when a peer is gone or silent (the text, not the type, is stable across versions).
+_LOST_PEER = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out|timed out|Socket Timeout"
+    r"|NCCL communicator was aborted|Watchdog caught collective operation timeout|ProcessGroupNCCL.*(timeout|abort)"
+    r"|connection refused|Connection refused|recvBytes|sendBytes",
+)
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling, else a ``RuntimeError`` with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001  (any pickling failure)
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _raise_shared(error: BaseException, rank: int) -> None:
+    error.add_note(f"(raised on global rank {rank}; every rank raises it)")
+    raise error
+
+
+def result_from(src: int, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on global rank ``src`` only; every rank returns its result or raises its exception.
+
+    Without a process group (one process) ``fn`` just runs.
+    """
+    if not _initialized():
+        return fn()
+    outcome: list[Any] = [None]
+    if dist.get_rank() == src:
+        try:
+            outcome[0] = ("ok", fn())
+        except Exception as error:  # noqa: BLE001  (shared with every rank, then re-raised here too)
+            outcome[0] = ("error", _portable(error))
+            dist.broadcast_object_list(outcome, src)
+            raise
+    dist.broadcast_object_list(outcome, src)
+    kind, value = outcome[0]
+    if kind == "error":
+        _raise_shared(value, src)
+    return value
+
+
+def everywhere(fn: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
+    """Run ``fn`` on every rank of ``group``; if it raises on any rank, every rank raises the exception of the
+    lowest failing rank. Use it around local work that is followed by a collective."""
+    if not _initialized():
+        return fn()
+    try:
+        outcome: Any = ("ok", fn())
+    except Exception as error:  # noqa: BLE001  (shared below)
+        outcome = ("error", _portable(error))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, outcome if outcome[0] == "error" else ("ok", None), group=group)
+    for rank, (kind, value) in enumerate(gathered):
+        if kind == "error":
+            global_rank = dist.get_global_rank(group, rank) if group is not None else rank
+            _raise_shared(value, global_rank)
+    return outcome[1]
+
+
+def looks_like_lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is what a collective raises when a peer died, hung or closed its connection."""
+    if isinstance(error, getattr(dist, "DistError", ())) and not isinstance(error, ValueError):
+        return True
+    return isinstance(error, RuntimeError) and bool(_LOST_PEER.search(str(error)))
+
+
+@dataclass(frozen=True)
+class _Peer:
+    rank: int
+    host: str
+    pid: int
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is running (a zombie counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+class PeerDirectory:
+    """Every rank's host and pid, and the failures ranks report, to name the rank a survivor lost.
+
+    Create it on every rank right after the process group exists (:meth:`gather` is a collective).
+    """
+
+    def __init__(self, peers: list[_Peer], rank: int) -> None:
+        self.peers = peers
+        self.rank = rank
+
+    @classmethod
+    def gather(cls) -> PeerDirectory:
+        """Exchange host names and pids over the default process group."""
+        me = _Peer(dist.get_rank(), socket.gethostname(), os.getpid())
+        peers: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(peers, me)
+        return cls(peers, me.rank)
+
+    @staticmethod
+    def _store() -> Any:
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001  (no store: nothing to report to)
+            return None
+
+    def report_failure(self, error: BaseException) -> None:
+        """Tell the other ranks (through the process group's store) that this rank failed, and why."""
+        store = self._store()
+        if store is None:
+            return
+        try:
+            store.set(_FAILURE_KEY.format(rank=self.rank), f"{type(error).__name__}: {error}"[:800])
+        except Exception:  # noqa: BLE001  (the store lives on rank 0, which may be gone)
+            pass
+
+    def _reported(self) -> dict[int, str]:
+        store = self._store()
+        reported: dict[int, str] = {}
+        if store is None:
+            return reported
+        for peer in self.peers:
+            key = _FAILURE_KEY.format(rank=peer.rank)
+            try:
+                if peer.rank != self.rank and store.check([key]):
+                    reported[peer.rank] = store.get(key).decode(errors="replace")
+            except Exception:  # noqa: BLE001  (store unreachable)
+                break
+        return reported
+
+    def lost_peers(self, wait: float = 2.0) -> list[str]:
+        """What is known of the ranks that failed: a failure they reported, or their process gone.
+
+        A failing rank reports a moment after its peers may notice it, so this polls for up to ``wait`` s.
+        """
+        host = socket.gethostname()
+        deadline = time.monotonic() + wait
+        while True:
+            reported = self._reported()
+            dead = [p for p in self.peers if p.rank != self.rank and p.host == host and not _alive(p.pid)]
+            found = []
+            for peer in self.peers:
+                where = f"rank {peer.rank} (pid {peer.pid} on {peer.host})"
+                if peer.rank in reported:
+                    found.append(f"{where} failed with {reported[peer.rank]}")
+                elif peer in dead:
+                    found.append(f"{where} is no longer running (killed or crashed)")
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+
+    def explain(self, error: BaseException) -> None:
+        """Rewrite a lost-peer ``error`` in place so it names the failed rank(s); report other errors as this
+        rank's own failure."""
+        if not looks_like_lost_peer(error):
+            self.report_failure(error)
+            return
+        lost = self.lost_peers()
+        if lost:
+            summary = "; ".join(lost)
+        else:
+            summary = "no rank reported a failure and every rank on this host is running (one may be stuck)"
+        message = f"mp_lstm: rank {self.rank} stopped because it lost a peer: {summary}. Transport error: {error}"
+        error.args = (message, *error.args[1:])
