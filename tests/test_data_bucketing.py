@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import logging
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -291,3 +293,104 @@ def test_padding_does_not_change_the_loss() -> None:
             count += len(s)
     assert n_real == count == sum(map(len, sents))
     assert (padded_loss / n_real).item() == pytest.approx(total / count, rel=1e-5)
+
+
+# ------------------------------------------------------- global batches every replica can share
+@pytest.mark.timeout(10)  # the old sampler looped forever in _split_counts
+def test_global_batch_smaller_than_replicas_raises_instead_of_hanging() -> None:
+    # 3 sentences, at most 2 per global batch: batches of 2 and 1; 2 replicas cannot share the batch of 1
+    with pytest.raises(ValueError, match="length 8 has 3 sentences") as err:
+        list(BucketBatchSampler([0, 0, 0], [8], batch_size=2, num_replicas=2))
+    message = str(err.value)
+    assert "(batch_size=2)" in message and "2 replicas" in message and "batch_size >= 3" in message
+    with pytest.raises(ValueError, match=r"length 8 has 3 sentences.*\(max_tokens=16 // 8 tokens\).*2 replicas"):
+        list(BucketBatchSampler([0, 0, 0], [8], max_tokens=16, num_replicas=2))
+    with pytest.raises(ValueError, match="max_tokens >= 3 x 8 = 24"):
+        BucketBatchSampler([0] * 7, [8], max_tokens=16, num_replicas=2)  # 7 = 2 + 2 + 2 + 1
+    # the remedies of the message work, and the global batches are those of one replica
+    one = list(BucketBatchSampler([0, 0, 0], [8], batch_size=3, shuffle=False))
+    shards = [list(BucketBatchSampler([0, 0, 0], [8], batch_size=3, shuffle=False, num_replicas=2, rank=r))
+              for r in (0, 1)]
+    assert one == [[0, 1, 2]] and shards == [[[0, 1]], [[2]]]
+    shards = [list(BucketBatchSampler([0] * 7, [8], max_tokens=24, shuffle=False, num_replicas=2, rank=r))
+              for r in (0, 1)]
+    assert shards == [[[0, 1], [3], [5]], [[2], [4], [6]]]  # global batches 3 + 2 + 2
+
+
+@pytest.mark.timeout(10)
+def test_split_counts_refuses_more_replicas_than_items() -> None:
+    from lightning_mp_lstm.data.bucketing import _split_counts
+
+    with pytest.raises(ValueError, match="each of 2 replicas at least one of 1"):
+        _split_counts(1, np.ones(2))
+    assert _split_counts(2, np.array([1.0, 100.0])).tolist() == [1, 1]
+    assert _split_counts(16, np.array([1.0, 3.0])).tolist() == [4, 12]
+
+
+def _expected_to_fail(sizes: list[int], lengths: list[int], batch_size: int | None, max_tokens: int | None,
+                      replicas: int) -> bool:
+    """The construction rule, computed independently of the sampler."""
+    for n, length in zip(sizes, lengths):
+        if n == 0:
+            continue
+        cap = min(batch_size or n, max_tokens // length if max_tokens is not None else n)
+        if cap < replicas or n < replicas:
+            return True
+        m = -(-n // min(cap, n))
+        if n // m < replicas:
+            return True
+    return False
+
+
+@hypothesis.settings(max_examples=150, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(
+    sizes=st.lists(st.integers(0, 25), min_size=1, max_size=4),
+    limits=st.one_of(  # (batch_size, max_tokens), at least one given
+        st.tuples(st.integers(1, 16), st.none()),
+        st.tuples(st.none(), st.integers(1, 200)),
+        st.tuples(st.integers(1, 16), st.integers(1, 200)),
+    ),
+    replicas=st.integers(1, 4),
+    weights=st.lists(st.floats(0.1, 10.0), min_size=4, max_size=4),
+    shuffle=st.booleans(),
+    epoch=st.integers(0, 3),
+)
+@pytest.mark.timeout(120)  # the old sampler hung on some of these
+def test_property_every_rank_gets_a_share_and_global_batches_ignore_replicas(
+    sizes: list[int], limits: tuple[int | None, int | None], replicas: int, weights: list[float], shuffle: bool,
+    epoch: int,
+) -> None:
+    batch_size, max_tokens = limits
+    lengths = [4 * (b + 1) for b in range(len(sizes))]
+    indices = np.repeat(np.arange(len(sizes)), sizes)
+    np.random.default_rng(sum(sizes)).shuffle(indices)
+    kw = dict(batch_size=batch_size, max_tokens=max_tokens, shuffle=shuffle, seed=5)
+    expected_failure = _expected_to_fail(sizes, lengths, batch_size, max_tokens, replicas)
+    cap_ok = all(n == 0 or min(batch_size or n, max_tokens // b if max_tokens else n) >= 2 * replicas - 1
+                 for n, b in zip(sizes, lengths))
+    if cap_ok and all(n == 0 or n >= replicas for n in sizes):
+        assert not expected_failure  # a cap of 2R - 1 always works (the proof in the docstring)
+    samplers = []
+    try:
+        for rank in range(replicas):
+            samplers.append(BucketBatchSampler(indices, lengths, num_replicas=replicas, rank=rank,
+                                               replica_weights=weights[:replicas], **kw))
+    except ValueError:
+        hypothesis.event("construction refused")
+        assert expected_failure
+        return
+    hypothesis.event(f"accepted with {replicas} replicas")
+    assert not expected_failure
+    reference = BucketBatchSampler(indices, lengths, **kw)  # one replica
+    reference.set_epoch(epoch)
+    glob = [b.tolist() for b in reference.global_batches()]
+    assert sorted(sum(glob, [])) == list(range(len(indices)))
+    shards = []
+    for s in samplers:
+        s.set_epoch(epoch)
+        assert [b.tolist() for b in s.global_batches()] == glob  # independent of the replica count
+        shards.append(list(s))
+        assert len(shards[-1]) == len(s) == len(reference)
+    for k, batch in enumerate(glob):
+        parts = [shard[k] for shard in shards]
+        assert all(parts) and sum(parts, []) == batch

@@ -254,3 +254,55 @@ def test_mean_padded_length_follows_the_bucket_mix(tmp_path: Path) -> None:
     dm = LMDataModule(source="ptb", path=str(tmp_path), buckets=[4, 8], batch_size=2)
     assert dm.mean_padded_length == pytest.approx(5.0)
     assert sum(dm.bucket_lengths) / 2 == 6.0
+
+
+BUCKETS = [8, 16, 24, 32, 60]
+
+
+@pytest.mark.timeout(60)
+def test_unshareable_eval_batch_size_fails_at_setup() -> None:
+    # With 2 replicas the valid split's bucket of length 16 (35 sentences) forms 17 global batches of 2
+    # and one of 1: the training batch size is fine, the evaluation batch size is not.
+    dm = LMDataModule(synthetic=SMALL, batch_size=16, eval_batch_size=2, buckets=BUCKETS)
+    dm.trainer = _fake_trainer(2, 0)
+    valid_error = r"valid split \(eval_batch_size=2\): bucket of length 16 has 35 sentences.*2 replicas"
+    with pytest.raises(ValueError, match=valid_error):
+        dm.setup("fit")  # before any loader is requested, so before training starts
+    with pytest.raises(ValueError, match=valid_error):
+        dm.setup("validate")
+    with pytest.raises(ValueError, match=r"test split \(eval_batch_size=2\): bucket of length 16 has 29 sentences"):
+        dm.setup("predict")
+    assert len(dm.train_dataloader()) == 39  # 62 -> 4, 203 -> 13, 158 -> 10, 91 -> 6, 86 -> 6 batches
+    dm.trainer = _fake_trainer(1, 0)
+    dm.setup("fit")  # one replica can take a batch of 1
+    # a token budget: 120 // 60 = 2 sentences per batch of the bucket of length 60 (335 training sentences)
+    tokens = LMDataModule(synthetic=SMALL, batch_size=None, max_tokens=120, buckets=[16, 60])
+    tokens.trainer = _fake_trainer(2, 1)
+    with pytest.raises(ValueError, match=r"train split \(max_tokens=120\): bucket of length 60 has 335 sentences"):
+        tokens.setup("fit")
+
+
+def test_setup_checks_the_samplers_of_its_stage_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_mp_lstm.data.datamodule as module
+
+    built: list[tuple[int, bool]] = []
+
+    class Counting(module.BucketBatchSampler):
+        def __init__(self, *args, **kwargs) -> None:
+            built.append((kwargs["batch_size"], kwargs["shuffle"]))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(module, "BucketBatchSampler", Counting)
+    dm = LMDataModule(synthetic=SMALL, batch_size=16, eval_batch_size=4, buckets=BUCKETS)
+    dm.setup("fit")
+    assert built == []  # no trainer: nothing to check yet
+    dm.trainer = _fake_trainer(2, 1)
+    for _ in range(3):
+        dm.setup("fit")
+    assert built == [(16, True), (4, False)]
+    dm.setup("validate")
+    dm.setup("test")
+    assert built == [(16, True), (4, False), (4, False)]
+    dm.trainer = _fake_trainer(2, 0)  # another rank: its samplers are checked again
+    dm.setup("validate")
+    assert len(built) == 4

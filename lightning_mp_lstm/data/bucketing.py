@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 __all__ = [
     "LONG_SENTENCE_POLICIES",
     "BucketBatchSampler",
     "BucketedDataset",
     "LMBatch",
+    "ResumableDataLoader",
     "auto_buckets",
     "collate_lm",
     "pad_batch_rows",
@@ -312,17 +313,33 @@ class BucketedDataset(Dataset):
 
 # --------------------------------------------------------------------- sampler
 def _split_counts(total: int, weights: np.ndarray) -> np.ndarray:
-    """Split ``total`` items proportionally to ``weights`` (largest remainder), each share >= 1."""
+    """Split ``total`` items proportionally to ``weights`` (largest remainder), each share >= 1.
+
+    Raises:
+        ValueError: If ``total`` is smaller than the number of shares (some share would be empty).
+    """
+    if total < weights.size:
+        raise ValueError(f"cannot give each of {weights.size} replicas at least one of {total} sentences")
     quota = total * weights / weights.sum()
     share = np.floor(quota).astype(np.int64)
     rest = total - int(share.sum())
     if rest:
         order = np.argsort(-(quota - share), kind="stable")
         share[order[:rest]] += 1
+    # Terminates: while a share is 0 the largest is >= 2 (total >= number of shares), and every step
+    # fills one empty share.
     while (share == 0).any():  # give empty replicas one item from the largest share
         share[int(np.argmax(share))] -= 1
         share[int(np.flatnonzero(share == 0)[0])] += 1
     return share
+
+
+def _sizes_text(n: int, m: int) -> str:
+    """The sizes of the ``m`` parts of ``np.array_split`` of ``n`` items, in words."""
+    small, big = n // m, n % m
+    if not big:
+        return f"{m} global batches of {small} sentences"
+    return f"{m} global batches ({big} of {small + 1} sentences, {m - big} of {small})"
 
 
 class BucketBatchSampler(Sampler[list[int]]):
@@ -332,7 +349,9 @@ class BucketBatchSampler(Sampler[list[int]]):
     times bucket length) bound the *global* batch, i.e. the batch over all
     data-parallel replicas together. Within a bucket the examples are spread
     evenly over ``ceil(n / cap)`` batches whose sizes differ by at most one
-    (no tiny last batch).
+    (no tiny last batch). The global batches do not depend on ``num_replicas``,
+    ``rank`` or ``replica_weights``: every data-parallel size sees the same
+    data in the same order.
 
     **Shuffling.** With ``shuffle=True`` the examples inside each bucket and
     the order of all batches (across buckets) are permuted by a generator
@@ -346,9 +365,29 @@ class BucketBatchSampler(Sampler[list[int]]):
     and every replica yields the same number of batches. Slices are equal or,
     with ``replica_weights``, proportional (largest remainder). Every replica
     must get at least one sentence of every batch, so every global batch must
-    hold at least ``num_replicas`` sentences: the capacity per batch must be
-    ``>= num_replicas`` and every non-empty bucket must have ``>= num_replicas``
-    examples (build the dataset with ``min_bucket_size=num_replicas``).
+    hold at least ``R = num_replicas`` sentences. Construction checks, for
+    every non-empty bucket of ``n`` sentences and per-batch cap ``c``
+    (``batch_size``, or ``max_tokens // bucket_length`` if smaller):
+
+    * ``c >= R``;
+    * ``n >= R`` (build the dataset with ``min_bucket_size=num_replicas``);
+    * the smallest of the bucket's ``m = ceil(n / c)`` global batches,
+      ``floor(n / m)``, holds ``>= R`` sentences. For example 3 sentences with
+      ``c = 2`` form batches of 2 and 1, which 2 replicas cannot share.
+
+    A cap ``c >= 2R - 1`` (so ``batch_size >= 2 * num_replicas`` certainly)
+    always passes the last check when ``n >= R``: write ``n = q c + r`` with
+    ``0 <= r < c``. If ``q = 0`` then ``m = 1`` and the batch holds
+    ``n >= R``. If ``r = 0`` every batch holds ``c >= R``. Otherwise
+    ``m = q + 1`` and ``n - R m = q (c - R) + r - R >= q (R - 1) + 1 - R >= 0``
+    because ``c - R >= R - 1``, ``r >= 1`` and ``q >= 1``. (``c = 2R - 2``
+    can fail: ``n = 2R - 1`` gives batches of ``R`` and ``R - 1``.)
+
+    **Resuming.** :meth:`state_dict` records the position in the sequence of
+    *global* batches, ``(epoch, batches_done)``, with a fingerprint of what
+    defines that sequence; :meth:`load_state_dict` makes the next iteration
+    start where it stopped, also with another ``num_replicas``, ``rank`` or
+    ``replica_weights``. :class:`ResumableDataLoader` exposes it to Lightning.
 
     Args:
         bucket_indices: Bucket index of every dataset example.
@@ -362,8 +401,12 @@ class BucketBatchSampler(Sampler[list[int]]):
         replica_weights: Optional relative share of every replica.
 
     Raises:
-        ValueError: For inconsistent arguments (the message says which).
+        ValueError: For inconsistent arguments, or a global batch smaller than
+            ``num_replicas`` (the message says which and how to fix it).
     """
+
+    #: Version of the :meth:`state_dict` format.
+    STATE_VERSION = 1
 
     def __init__(
         self,
@@ -400,25 +443,51 @@ class BucketBatchSampler(Sampler[list[int]]):
         idx = np.asarray(bucket_indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self.bucket_lengths)):
             raise ValueError("bucket_indices refer to a bucket that does not exist")
+        self._num_examples = int(idx.size)
         self._members = [np.flatnonzero(idx == b) for b in range(len(self.bucket_lengths))]
         self._caps = []
+        replicas = self.num_replicas
+        origins: list[str] = []
         for b, length in enumerate(self.bucket_lengths):
             cap = batch_size if batch_size is not None else math.inf
-            if max_tokens is not None:
-                cap = min(cap, max_tokens // length)
+            origin = f"batch_size={batch_size}"
+            if max_tokens is not None and max_tokens // length < cap:
+                cap = max_tokens // length
+                origin = f"max_tokens={max_tokens} // {length} tokens"
             n = self._members[b].size
-            if n and cap < self.num_replicas:
+            if n and cap < replicas:
                 raise ValueError(
                     f"bucket of length {length} allows only {cap} sentences per global batch "
                     f"(batch_size={batch_size}, max_tokens={max_tokens}); need at least one per replica "
-                    f"({self.num_replicas})"
+                    f"({replicas})"
                 )
-            if 0 < n < self.num_replicas:
+            if 0 < n < replicas:
                 raise ValueError(
-                    f"bucket of length {length} has {n} examples, fewer than the {self.num_replicas} replicas; "
+                    f"bucket of length {length} has {n} examples, fewer than the {replicas} replicas; "
                     "build the dataset with min_bucket_size=num_replicas"
                 )
             self._caps.append(int(min(cap, max(n, 1))))
+            origins.append(origin)
+        for b, length in enumerate(self.bucket_lengths):  # after the checks above, as they come first
+            n, m, cap = self._members[b].size, self._num_batches(b), self._caps[b]
+            if n and n // m < replicas:  # the smallest of the bucket's global batches (see the class docstring)
+                need = 2 * replicas - 1
+                fix = [f"batch_size >= {need}"] if batch_size is not None else []
+                if max_tokens is not None:
+                    fix.append(f"max_tokens >= {need} x {length} = {need * length}")
+                raise ValueError(
+                    f"bucket of length {length} has {n} sentences; at most {int(cap)} sentences per global batch "
+                    f"({origins[b]}) split them into {_sizes_text(n, m)}, and a batch of {n // m} cannot give each "
+                    f"of the {replicas} replicas a sentence. Global batches do not depend on the number of "
+                    f"replicas, so change the cap: one of at least 2 x replicas - 1 = {need} sentences always "
+                    f"works ({' and '.join(fix)}; 2 x replicas = {2 * replicas} as well), as does any cap that "
+                    f"splits this bucket into batches of at least {replicas}"
+                )
+        # Position (see state_dict): [epoch, first batch, batches yielded] of the latest iteration, or the
+        # loaded position until the next iteration starts; None before either.
+        self._cursor: list[int] | None = None
+        self._skip = 0  # batches the next iteration skips (set by load_state_dict)
+        self._loaded_epoch: int | None = None  # the epoch that _skip belongs to
 
     @property
     def sampler(self) -> BucketBatchSampler:
@@ -432,14 +501,22 @@ class BucketBatchSampler(Sampler[list[int]]):
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch used to seed the shuffling."""
+        """Set the epoch used to seed the shuffling.
+
+        A position restored by :meth:`load_state_dict` is kept only if
+        ``epoch`` is the restored epoch; another epoch starts at its first batch.
+        """
         self.epoch = int(epoch)
+        if self.epoch != self._loaded_epoch:
+            self._skip = 0
+            self._loaded_epoch = None
 
     def _num_batches(self, b: int) -> int:
         n = self._members[b].size
         return -(-n // self._caps[b]) if n else 0
 
     def __len__(self) -> int:
+        """Number of batches of a whole epoch (also when resuming inside one)."""
         return sum(self._num_batches(b) for b in range(len(self.bucket_lengths)))
 
     def global_batches(self) -> list[np.ndarray]:
@@ -466,5 +543,205 @@ class BucketBatchSampler(Sampler[list[int]]):
         return batch[start : start + int(counts[self.rank])]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.global_batches():
+        # A generator: nothing runs before the first batch is requested, so a set_epoch between iter() and
+        # next() still applies (Lightning creates the training iterator before it calls set_epoch).
+        start = self._skip
+        self._skip, self._loaded_epoch = 0, None
+        cursor = self._cursor = [self.epoch, start, 0]
+        for batch in self.global_batches()[start:]:
+            cursor[2] += 1
             yield self._share(batch).tolist()
+
+    # ----------------------------------------------------------------- resuming
+    def fingerprint(self) -> dict[str, Any]:
+        """What defines the sequence of global batches; must match for a mid-epoch resume.
+
+        Returns:
+            ``num_examples``, ``bucket_lengths``, ``bucket_sizes`` (examples per
+            bucket), ``caps`` (effective sentences per global batch of every
+            non-empty bucket, 0 for empty ones), ``shuffle`` and ``seed``
+            (``None`` without shuffling, where it plays no role).
+        """
+        return {
+            "num_examples": self._num_examples,
+            "bucket_lengths": list(self.bucket_lengths),
+            "bucket_sizes": [int(m.size) for m in self._members],
+            "caps": [int(c) if m.size else 0 for c, m in zip(self._caps, self._members)],
+            "shuffle": self.shuffle,
+            "seed": self.seed if self.shuffle else None,
+        }
+
+    def position(self) -> tuple[int, int]:
+        """``(epoch, first batch)`` of the latest iteration, or the restored position before the next one.
+
+        Before any iteration or restore: ``(epoch, 0)`` of :meth:`set_epoch`.
+        """
+        if self._cursor is None:
+            return self.epoch, self._skip
+        return self._cursor[0], self._cursor[1]
+
+    def state_dict(self, batches_done: int | None = None, epoch: int | None = None) -> dict[str, Any]:
+        """The position in the sequence of global batches, to resume exactly there.
+
+        Args:
+            batches_done: Global batches of ``epoch`` already consumed. Default:
+                the batches this sampler has yielded in its latest iteration
+                (plus those skipped at its start). A consumer that reads ahead
+                (DataLoader workers prefetch batches) must pass what it really
+                consumed, as :class:`ResumableDataLoader` does.
+            epoch: The epoch ``batches_done`` refers to (default: the epoch of
+                the latest iteration, see :meth:`position`).
+
+        Returns:
+            ``{"version", "epoch", "batches_done", "num_batches", "fingerprint"}``
+            (plain ints, lists and bools; see :meth:`fingerprint`).
+            ``batches_done >= num_batches`` means the epoch is finished: the
+            next position is the start of epoch ``epoch + 1``.
+        """
+        cur_epoch, start = self.position()
+        if batches_done is None:
+            batches_done = start + (self._cursor[2] if self._cursor is not None else 0)
+        if batches_done < 0:
+            raise ValueError(f"batches_done must be >= 0, got {batches_done}")
+        return {
+            "version": self.STATE_VERSION,
+            "epoch": int(cur_epoch if epoch is None else epoch),
+            "batches_done": int(batches_done),
+            "num_batches": len(self),
+            "fingerprint": self.fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position saved by :meth:`state_dict`.
+
+        The next iteration yields the remaining global batches of the saved
+        epoch (this replica's share of each); :meth:`set_epoch` with another
+        epoch discards the position. A finished epoch resumes at the start of
+        the next one. ``num_replicas``, ``rank`` and ``replica_weights`` may
+        differ from the saving sampler's.
+
+        Raises:
+            ValueError: For a malformed state, or, when the saved position is
+                inside an epoch, a fingerprint (data, buckets, batch size /
+                token budget, seed, shuffle) different from this sampler's. A
+                position at an epoch boundary is accepted whatever the
+                fingerprint: no batch order has to be continued there.
+        """
+        missing = {"epoch", "batches_done", "fingerprint"} - set(state)
+        if missing or state.get("version", self.STATE_VERSION) != self.STATE_VERSION:
+            raise ValueError(
+                f"not a {type(self).__name__} state (version {self.STATE_VERSION}): "
+                f"keys {sorted(state)}, missing {sorted(missing)}"
+            )
+        epoch, done = int(state["epoch"]), int(state["batches_done"])
+        if epoch < 0 or done < 0:
+            raise ValueError(f"invalid position: epoch {epoch}, batches_done {done}")
+        saved, mine = state["fingerprint"], self.fingerprint()
+        num_batches = int(state.get("num_batches", len(self)))
+        finished = done >= num_batches
+        if not finished and done > 0 and saved != mine:
+            diffs = "; ".join(
+                f"{key}: saved {saved.get(key)!r}, now {mine.get(key)!r}"
+                for key in sorted(set(saved) | set(mine))
+                if saved.get(key) != mine.get(key)
+            )
+            raise ValueError(
+                f"cannot resume inside epoch {epoch} (after {done} of {num_batches} global batches): the data "
+                f"differs from the checkpoint's ({diffs}). Resuming mid-epoch needs the same data, buckets, "
+                "batch size / token budget, seed and shuffle; restore those settings, or resume from a checkpoint "
+                "saved at the end of an epoch (the number of data-parallel replicas may change)"
+            )
+        if saved != mine:
+            log.info("data position at the start of an epoch restored although the data settings differ")
+        self._cursor = [epoch, done, 0]  # what was consumed: position() and state_dict() report it as saved
+        self.epoch, self._skip = (epoch + 1, 0) if finished else (epoch, done)
+        self._loaded_epoch = self.epoch
+
+
+class _CountingIterator(Iterator[Any]):
+    """Wraps a DataLoader iterator and tells its :class:`ResumableDataLoader` of every batch delivered."""
+
+    def __init__(self, loader: ResumableDataLoader, inner: Iterator[Any]) -> None:
+        self._loader = loader
+        self._inner = inner
+        self._position: list[int] | None = None
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        if self._position is None:  # the sampler's iteration behind this iterator has started by now
+            self._position = [*self._loader._bucket_sampler().position(), 0]
+        self._position[2] += 1
+        self._loader._delivered = self._position
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:  # anything else is the DataLoader iterator's
+        if name == "_inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a :class:`BucketBatchSampler` that can resume inside an epoch.
+
+    Lightning saves ``state_dict()`` of a training DataLoader that has
+    ``state_dict``/``load_state_dict`` into the checkpoint and, on resume,
+    calls ``load_state_dict`` before creating the iterator; the iterator then
+    yields only the epoch's remaining batches while ``len()`` stays the whole
+    epoch's, which is what Lightning expects.
+
+    The saved position must be the number of batches the *training loop
+    consumed*, not the number produced: DataLoader workers ask the batch
+    sampler for batches ahead of time. ``consumed`` reports it (for Lightning
+    :class:`~lightning_mp_lstm.data.datamodule.LMDataModule` passes the fit
+    loop's ``batch_progress.current.ready``); without it the loader counts the
+    batches its current iterator has returned (plus those skipped when it
+    resumed).
+
+    Args:
+        dataset: The dataset.
+        *args: Passed to :class:`torch.utils.data.DataLoader`.
+        consumed: Optional callable returning the number of batches of the
+            current epoch the consumer has taken, skipped ones included.
+        **kwargs: Passed to :class:`torch.utils.data.DataLoader`; give
+            ``batch_sampler`` a :class:`BucketBatchSampler`.
+    """
+
+    def __init__(self, dataset: Dataset, *args: Any, consumed: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self.consumed = consumed
+        self._delivered: list[int] | None = None  # [epoch, first batch, batches returned] of the latest iterator
+
+    def _bucket_sampler(self) -> BucketBatchSampler:
+        sampler = self.batch_sampler
+        if not isinstance(sampler, BucketBatchSampler):
+            raise TypeError(
+                f"{type(self).__name__} saves and restores the position of a BucketBatchSampler, "
+                f"but its batch sampler is {type(sampler).__name__}"
+            )
+        return sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        inner = super().__iter__()
+        # Lightning re-creates prediction loaders around a wrapper of the batch sampler: nothing to count then.
+        return _CountingIterator(self, inner) if isinstance(self.batch_sampler, BucketBatchSampler) else inner
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batch sampler's :meth:`~BucketBatchSampler.state_dict` at the consumed position."""
+        sampler = self._bucket_sampler()
+        if self._delivered is not None:
+            epoch, start, returned = self._delivered
+        else:
+            (epoch, start), returned = sampler.position(), 0
+        done = int(self.consumed()) if self.consumed is not None else start + returned
+        return sampler.state_dict(batches_done=done, epoch=epoch)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the batch sampler at a saved position (see :meth:`BucketBatchSampler.load_state_dict`)."""
+        self._bucket_sampler().load_state_dict(state_dict)
+        self._delivered = None

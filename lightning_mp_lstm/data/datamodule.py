@@ -17,6 +17,7 @@ from lightning_mp_lstm.data.bucketing import (
     LONG_SENTENCE_POLICIES,
     BucketBatchSampler,
     BucketedDataset,
+    ResumableDataLoader,
     collate_lm,
     resolve_buckets,
 )
@@ -34,6 +35,13 @@ SOURCES: tuple[str, ...] = ("synthetic", "ptb", "wikitext", "text")
 
 _DEFAULT_CACHE = "~/.cache/lightning_mp_lstm"
 _SPLIT_SIZE_KEYS = {"num_train": "train", "num_valid": "valid", "num_test": "test"}
+#: The ``(split, train)`` loaders a Lightning stage uses: :meth:`LMDataModule.setup` checks their samplers.
+_STAGE_LOADERS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "fit": (("train", True), ("valid", False)),
+    "validate": (("valid", False),),
+    "test": (("test", False),),
+    "predict": (("test", False),),
+}
 
 
 class LMDataModule(pl.LightningDataModule):
@@ -52,6 +60,17 @@ class LMDataModule(pl.LightningDataModule):
     bound the *global* batch over all replicas; each replica gets its
     contiguous share (see :class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler`).
     Validation and test data are sharded the same way, without shuffling.
+    With a trainer attached, :meth:`setup` builds the batch samplers of the
+    splits its stage uses, so a batch size or token budget that cannot be
+    shared by the replicas fails before training starts.
+
+    **Resuming.** The loaders are
+    :class:`~lightning_mp_lstm.data.bucketing.ResumableDataLoader`: Lightning
+    saves the training position (epoch and global batches consumed, as
+    counted by its fit loop) in every checkpoint and a resumed ``fit``
+    continues with the next batch of the interrupted epoch, also with another
+    number of data-parallel replicas; a mid-epoch checkpoint needs the same
+    data, buckets, batch size / token budget and seed.
 
     Args:
         source: ``"synthetic"`` (embedded, needs no files), ``"ptb"``,
@@ -157,6 +176,7 @@ class LMDataModule(pl.LightningDataModule):
         self._datasets: dict[tuple[str, int], BucketedDataset] = {}
         self._bucket_lengths: list[int] | None = None
         self._unigram_ppl: float | None = None
+        self._checked_samplers: set[tuple] = set()
         #: Number of sentences longer than the largest bucket, per split (filled by the loaders).
         self.long_sentence_counts: dict[str, int] = {}
 
@@ -193,8 +213,19 @@ class LMDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Read the corpus and build the vocabulary (idempotent).
 
+        With a trainer attached, also build the batch samplers of the splits
+        ``stage`` uses (``fit``: train and valid; ``validate``: valid;
+        ``test``/``predict``: test) for the trainer's data-parallel layout,
+        so that an unusable batch size or token budget (see
+        :class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler`) raises
+        here rather than when its loader is first requested. Each check runs
+        once per layout.
+
         Args:
-            stage: Lightning stage (unused: all splits are read once).
+            stage: Lightning stage (all splits are read once, whatever the stage).
+
+        Raises:
+            ValueError: If a sampler of the stage cannot be built.
         """
         if self._sentences is None:
             self._sentences = self._load_sentences()
@@ -207,6 +238,13 @@ class LMDataModule(pl.LightningDataModule):
             self._set_vocab(
                 Vocabulary.build(self._sentences["train"], min_freq=self.min_freq, max_size=self.max_vocab_size)
             )
+        if getattr(self, "trainer", None) is not None and stage in _STAGE_LOADERS:
+            replicas = self._replicas()
+            for split, train in _STAGE_LOADERS[stage]:
+                key = (split, train, replicas[0], replicas[1], tuple(replicas[2] or ()))
+                if key not in self._checked_samplers:
+                    self._batch_sampler(split, train)
+                    self._checked_samplers.add(key)
 
     def prepare_vocab(self) -> Vocabulary:
         """Run :meth:`setup` if needed and return the vocabulary."""
@@ -221,6 +259,7 @@ class LMDataModule(pl.LightningDataModule):
         self._datasets.clear()
         self._bucket_lengths = None
         self._unigram_ppl = None
+        self._checked_samplers.clear()
 
     def _encode(self, split: str) -> list[list[int]]:
         if split not in self._encoded:
@@ -280,31 +319,57 @@ class LMDataModule(pl.LightningDataModule):
         weights = getattr(strategy, "data_parallel_weights", None) if strategy is not None else None
         return num_replicas, rank, (list(weights) if weights is not None else None)
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
+    def _batch_sampler(self, split: str, train: bool) -> tuple[BucketedDataset, BucketBatchSampler]:
+        """``split``'s dataset and a new batch sampler for the trainer's data-parallel layout (this validates
+        the batch size and token budget)."""
         self.setup()
         num_replicas, rank, weights = self._replicas()
         ds = self.dataset(split, min_bucket_size=num_replicas)
         batch_size = self.batch_size if train else (self.eval_batch_size or self.batch_size)
-        sampler = BucketBatchSampler(
-            ds.bucket_indices,
-            ds.buckets,
-            batch_size=batch_size,
-            max_tokens=self.max_tokens,
-            shuffle=self.shuffle and train,
-            seed=self.seed,
-            num_replicas=num_replicas,
-            rank=rank,
-            replica_weights=weights,
-        )
+        try:
+            sampler = BucketBatchSampler(
+                ds.bucket_indices,
+                ds.buckets,
+                batch_size=batch_size,
+                max_tokens=self.max_tokens,
+                shuffle=self.shuffle and train,
+                seed=self.seed,
+                num_replicas=num_replicas,
+                rank=rank,
+                replica_weights=weights,
+            )
+        except ValueError as err:
+            which = "eval_batch_size" if not train and self.eval_batch_size else "batch_size"
+            settings = [f"{which}={batch_size}"] if batch_size is not None else []
+            if self.max_tokens is not None:
+                settings.append(f"max_tokens={self.max_tokens}")
+            raise ValueError(f"{split} split ({', '.join(settings)}): {err}") from err
+        return ds, sampler
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        ds, sampler = self._batch_sampler(split, train)
         trainer = getattr(self, "trainer", None)
+        consumed = None
         if trainer is not None:
-            sampler.set_epoch(trainer.current_epoch)
-        return DataLoader(
+            fit_loop = getattr(trainer, "fit_loop", None)
+            if train and fit_loop is not None:
+                # The epoch this loader will serve. When resuming from a checkpoint saved at the end of epoch e,
+                # trainer.current_epoch is still e while Lightning creates the loader (it advances later), and
+                # with DataLoader workers the iterator Lightning creates right away would shuffle with it.
+                sampler.set_epoch(fit_loop.epoch_progress.current.processed)
+
+                def consumed() -> int:  # batches of the current epoch the training loop has taken
+                    return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+            else:
+                sampler.set_epoch(trainer.current_epoch)
+        return ResumableDataLoader(
             ds,
             batch_sampler=sampler,
             collate_fn=collate_lm,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            consumed=consumed,
         )
 
     def train_dataloader(self) -> DataLoader:
