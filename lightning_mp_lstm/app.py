@@ -17,12 +17,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_mp_lstm.checkpoint import local_model_state, read_checkpoint
+from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.layout import LayoutError
 from lightning_mp_lstm.model import perplexity
 from lightning_mp_lstm.partition import block_names
 from lightning_mp_lstm.strategy import MPLSTMStrategy
 
-__all__ = ["ResolvedLayout", "resolve_layout", "train"]
+__all__ = ["ResolvedLayout", "check_resume", "resolve_layout", "train"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def _partition_option(cfg: DictConfig) -> Any:
     if stages == "per_layer":
         return [[name] for name in block_names(int(cfg.model.num_layers))]
     if OmegaConf.is_list(stages):
-        return [list(stage) for stage in stages]
+        return OmegaConf.to_container(stages)  # as given: the strategy names what is wrong with it
     if stages == "balanced":
         return f"balanced:{cfg.partition.balance_by or 'time'}"
     return stages
@@ -122,6 +124,30 @@ def _strategy(cfg: DictConfig, resolved: ResolvedLayout) -> Any:
         schedule=cfg.schedule.name,
         n_microbatches=cfg.schedule.n_microbatches,
     )
+
+
+def check_resume(path: str, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
+    """Check that the checkpoint at ``path`` can resume ``model`` on ``datamodule``: readable, every tensor of
+    the model's shape, and (for :class:`LMDataModule`) the vocabulary the data was built with.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: a damaged file, or tensors of another model size.
+        ValueError: the checkpoint's vocabulary differs from the data's.
+    """
+    saved = read_checkpoint(path)
+    state = saved.get(type(datamodule).__qualname__) or {}
+    vocab = getattr(datamodule, "vocab", None)
+    if "vocab" in state and isinstance(vocab, Vocabulary):  # first: another vocabulary also changes the shapes
+        difference = vocabulary_difference(Vocabulary.from_state_dict(state["vocab"]), vocab)
+        if difference is not None:
+            raise ValueError(
+                f"the checkpoint's vocabulary differs from the one built from the training data (checkpoint vs "
+                f"data: {difference}): the model learned other words for these ids. Resume with the data the "
+                "checkpoint was trained on, or start a new run"
+            )
+    own = model.state_dict()
+    local_model_state(model, saved["state_dict"], strict=model.strict_loading, full_keys=own.keys())
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -143,6 +169,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     datamodule.prepare_data()
     datamodule.setup("fit")
     model = hydra.utils.instantiate(cfg.model, vocab_size=datamodule.vocab_size)
+    # Fail here, before any process starts, on what the ranks would otherwise each find after launching.
+    if isinstance(strategy, MPLSTMStrategy):
+        strategy.check(model, datamodule)
+    if cfg.ckpt_path:
+        check_resume(cfg.ckpt_path, model, datamodule)
     run_dir = Path(cfg.checkpoint_dir).parent
     checkpoint = ModelCheckpoint(dirpath=cfg.checkpoint_dir, monitor="val/loss", save_last=True, filename="best")
     trainer: pl.Trainer = hydra.utils.instantiate(

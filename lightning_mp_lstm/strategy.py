@@ -87,11 +87,18 @@ def _check_options(
         raise PartitionError(f"unknown balance_by {balance_by!r}; allowed: {', '.join(COST_KINDS)}")
     if isinstance(partition, str):
         kind = partition.split(":", 1)[1] if partition.startswith("balanced:") else None
-        if partition not in ("even", "balanced") and kind not in COST_KINDS:
+        if kind is not None and kind not in COST_KINDS:
+            raise PartitionError(f"unknown balance_by {kind!r}; allowed: {', '.join(COST_KINDS)}")
+        if partition not in ("even", "balanced") and kind is None:
             raise PartitionError(
                 f"unknown partition {partition!r}; allowed: 'even', 'balanced', "
                 f"{', '.join(repr('balanced:' + k) for k in COST_KINDS)}, or one list of block names per stage"
             )
+    elif isinstance(partition, Sequence) and partition and all(isinstance(stage, str) for stage in partition):
+        raise PartitionError(
+            f"the partition is a flat list of block names {list(partition)!r}; give one list of block names per "
+            "stage, e.g. [['embedding', 'lstm.0'], ['lstm.1', 'decoder']]"
+        )
     elif partition is not None and (
         not isinstance(partition, Sequence) or any(isinstance(stage, str) for stage in partition)
     ):
@@ -321,7 +328,8 @@ class MPLSTMStrategy(ParallelStrategy):
         layout = self._resolve_layout(self.world_size)
         layout.check_world_size(self.world_size)
         # Everything that can be wrong is checked here, on every rank, before the first collective.
-        self._check_model_and_data(self.lightning_module)
+        trainer = self.lightning_module.trainer
+        self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING)
         self._set_num_threads()
         reset_seed()
         self.set_world_ranks()
@@ -386,9 +394,18 @@ class MPLSTMStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _check_model_and_data(self, model: Any) -> None:
-        """Every check that needs the model, the layout or the data's batch size; runs on every rank before
-        the first collective, so a bad setting fails everywhere at once instead of hanging the others."""
+    def check(self, model: Any, datamodule: Any = None, fitting: bool = True) -> None:
+        """Check that this strategy can run ``model`` on ``datamodule``'s batches, without starting anything.
+
+        Runs on every rank before the first collective (so a bad setting fails everywhere at once instead of
+        hanging the others); call it yourself to fail before any process is launched. Needs a known layout
+        (an explicit ``pipeline_parallel_size``, or a strategy already attached to a Trainer).
+
+        Raises:
+            TypeError: the model is not made of named blocks.
+            PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
+            LayoutError: ``n_microbatches`` does not fit the batch.
+        """
         if not hasattr(model, "keep_blocks") or not hasattr(model, "block_names"):
             raise TypeError(
                 f"{type(self).__name__} splits models made of named blocks, such as "
@@ -418,11 +435,10 @@ class MPLSTMStrategy(ParallelStrategy):
             )
         if self._partition is not None:
             self._check_tied_weights(model)
-        trainer = model.trainer
         if str(self._n_microbatches) == "auto" and self._report is None:
-            planner.microbatch_candidates(layout, self._profile_shape(trainer, rows_only=True)[0])
-        elif trainer.state.fn == TrainerFn.FITTING:
-            self._check_batch_size(trainer)
+            planner.microbatch_candidates(layout, self._profile_shape(datamodule, rows_only=True)[0])
+        elif fitting:
+            self._check_batch_size(datamodule)
 
     def _plan(self, model: Any, trainer: pl.Trainer) -> None:
         """Resolve the partition and ``n_microbatches: auto``, then log the partition report.
@@ -437,7 +453,7 @@ class MPLSTMStrategy(ParallelStrategy):
         balanced = isinstance(option, str) and option.split(":")[0] == "balanced"
         kind = (option.split(":", 1)[1] if ":" in option else self._balance_by) if balanced else "flops"
         auto_m = str(self._n_microbatches) == "auto"
-        rows, length = self._profile_shape(trainer)
+        rows, length = self._profile_shape(trainer.datamodule)
 
         def plan_on_rank_zero() -> dict[str, Any]:
             plan: dict[str, Any] = {}
@@ -472,14 +488,13 @@ class MPLSTMStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             rank_zero_info(f"mp_lstm: {self.layout}\npartition (costs by {kind}):\n{report}")
 
-    def _profile_shape(self, trainer: pl.Trainer, rows_only: bool = False) -> tuple[int, int]:
+    def _profile_shape(self, datamodule: Any, rows_only: bool = False) -> tuple[int, int]:
         """Per-replica batch rows and mean padded sentence length of the training data (defaults: 32 x 35).
 
         The length follows the bucket mix (``mean_padded_length`` of :class:`LMDataModule`, weighted by how
         many sentences each bucket holds); other datamodules give the plain mean of ``bucket_lengths``.
         ``rows_only`` skips the length (it reads the data, which is not set up before ``setup``).
         """
-        datamodule = trainer.datamodule
         rows = getattr(datamodule, "batch_size", None) or 32
         rows = max(1, int(rows) // self.layout.data_parallel_size)
         if rows_only:
@@ -490,8 +505,7 @@ class MPLSTMStrategy(ParallelStrategy):
             length = sum(lengths) / len(lengths)
         return rows, max(1, round(length))
 
-    def _check_batch_size(self, trainer: pl.Trainer) -> None:
-        datamodule = trainer.datamodule
+    def _check_batch_size(self, datamodule: Any) -> None:
         batch_size = getattr(datamodule, "batch_size", None)
         if not isinstance(batch_size, int) or getattr(datamodule, "max_tokens", None) or self._data_parallel_weights:
             return  # token budgets and weighted shares vary the rows: ragged batches get empty padding rows

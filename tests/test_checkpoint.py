@@ -21,7 +21,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm import checkpoint as checkpoint_module
-from lightning_mp_lstm.checkpoint import AtomicCheckpointIO, read_checkpoint
+from lightning_mp_lstm.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    name_keyed_optimizer_state,
+    read_checkpoint,
+)
 from lightning_mp_lstm.data import LMDataModule
 from lightning_mp_lstm.data.vocab import Vocabulary
 from tests.helpers import VOCAB, FixedBatches, ValLosses, rel_error, run_ranks
@@ -102,6 +107,22 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
         checkpoint_module._serialize = original_write
     out["failed_writes"] = failing.calls
     out["temp_left"] = [p for p in failing.calls if os.path.exists(p)]
+
+    # 2b. strict_loading: a checkpoint with an extra tensor and without decoder.bias.
+    lenient = torch.load(tmp_dir / "n.ckpt", weights_only=False)
+    lenient["state_dict"]["extra.weight"] = torch.zeros(2)
+    del lenient["state_dict"]["decoder.bias"]
+    torch.save(lenient, tmp_dir / f"lenient{rank}.ckpt")
+    for strict in (True, False):
+        model = _model()
+        model.strict_loading = strict
+        trainer = _trainer(_pp2(), 2)
+        try:
+            trainer.validate(model, datamodule=_three_batches(), ckpt_path=tmp_dir / f"lenient{rank}.ckpt",
+                             verbose=False)
+            out[f"strict={strict}"] = {"params": _params(model), "initial_bias": _model().decoder.bias.detach()}
+        except ValueError as err:
+            out[f"strict={strict}"] = f"{type(err).__name__}: {err}"
 
     # 3. Resume for M more epochs on a different layout: interleaved, 4 stages of one block each.
     model = _model()
@@ -265,6 +286,36 @@ def test_model_checkpoint_picks_the_same_best_checkpoint_on_every_rank(run):
 
 
 @pytest.mark.timeout(200)
+def test_strict_loading_is_honoured_on_every_rank(run):
+    results, _ = run
+    for rank, r in enumerate(results):
+        # Strict (the default): the message names what is missing and what is extra; no rank loads anything.
+        assert r["strict=True"].startswith("CheckpointError: the checkpoint does not fit the model: missing"), rank
+        assert ("['decoder.bias']" in r["strict=True"]) == (rank == 1), rank  # the rank that holds the decoder
+        assert "unexpected ['extra.weight']" in r["strict=True"], rank
+        # strict_loading = False: every tensor present is loaded, decoder.bias keeps its initial value.
+        lenient = r["strict=False"]
+        for name, value in lenient["params"].items():
+            expected = lenient["initial_bias"] if name == "decoder.bias" else r["params"][name]
+            assert torch.equal(value, expected), (rank, name)
+
+
+def test_a_one_process_optimizer_state_is_keyed_by_name_for_any_layout():
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randint(1, VOCAB, (2, 3))).sum().backward()
+    optimizer.step()
+    positional = optimizer.state_dict()  # what Lightning's default strategy saves: parameters by position
+    keyed = name_keyed_optimizer_state(positional, names)
+    assert [n for g in keyed["param_groups"] for n in g["params"]] == names
+    for i, name in enumerate(names):
+        assert torch.equal(keyed["state"][name]["exp_avg"], positional["state"][i]["exp_avg"]), name
+    assert name_keyed_optimizer_state(keyed, names) == keyed  # already by name: unchanged
+    with pytest.raises(CheckpointError, match=r"keyed by position .* lists 11 parameters, but the model has 12"):
+        name_keyed_optimizer_state(positional, [*names, "lstm.2.weight_ih_l0"])
+
+
 def test_data_module_vocabulary_is_in_the_checkpoint(run):
     results, tmp = run
     ckpt = _load(tmp / "synthetic.ckpt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -212,6 +213,23 @@ class _TinyLM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_checkpoint_vocabulary_other_than_the_data_replaces_it_with_a_warning() -> None:
+    trained = LMDataModule(synthetic=SMALL, batch_size=16, seed=1)
+    saved = {"vocab": trained.prepare_vocab().state_dict()}
+    other = LMDataModule(synthetic=SMALL, batch_size=16, seed=2)
+    other.setup()  # built its own vocabulary
+    expected = (r"the checkpoint's vocabulary replaces the one built from the training data "
+                r"\(checkpoint vs data: [\d,]+ words vs [\d,]+ words; first difference at id \d+")
+    with pytest.warns(UserWarning, match=expected):
+        other.load_state_dict(saved)
+    assert other.vocab == trained.vocab
+    same = LMDataModule(synthetic=SMALL, batch_size=16, seed=1)
+    same.setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same data gives the same vocabulary: no warning
+        same.load_state_dict(saved)
 
 
 def test_lightning_fit_reshuffles_per_epoch_and_checkpoints_vocab(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_mp_lstm.data.bucketing import (
@@ -24,7 +25,7 @@ from lightning_mp_lstm.data.bucketing import (
 from lightning_mp_lstm.data.corpus import SPLITS, read_sentences, resolve_split_paths
 from lightning_mp_lstm.data.download import download_ptb
 from lightning_mp_lstm.data.synthetic import DEFAULT_SPLIT_SIZES, SyntheticLanguage
-from lightning_mp_lstm.data.vocab import Vocabulary
+from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 
 __all__ = ["SOURCES", "LMDataModule"]
 
@@ -459,9 +460,18 @@ class LMDataModule(pl.LightningDataModule):
         return {"vocab": self._vocab.state_dict()} if self._vocab is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the vocabulary from a checkpoint; later encoding uses it."""
-        if "vocab" in state_dict:
-            self._set_vocab(Vocabulary.from_state_dict(state_dict["vocab"]))
+        """Restore the vocabulary from a checkpoint; later encoding uses it (the checkpoint's vocabulary is the
+        one its model learned, so it replaces one built from the data, with a warning when they differ)."""
+        if "vocab" not in state_dict:
+            return
+        saved = Vocabulary.from_state_dict(state_dict["vocab"])
+        difference = vocabulary_difference(saved, self._vocab) if self._vocab is not None else None
+        if difference is not None:
+            rank_zero_warn(
+                f"LMDataModule: the checkpoint's vocabulary replaces the one built from the training data "
+                f"(checkpoint vs data: {difference}); the data is encoded with the checkpoint's"
+            )
+        self._set_vocab(saved)
 
     def stats(self) -> dict[str, Any]:
         """Counts for logging: sentences per split, vocabulary size, buckets, long sentences."""

@@ -137,3 +137,20 @@ class Vocabulary:
         if version != _STATE_VERSION:
             raise ValueError(f"unsupported vocabulary state version {version}")
         return cls(state["tokens"])
+
+
+def vocabulary_difference(ours: Vocabulary, theirs: Vocabulary) -> str | None:
+    """How two vocabularies differ, for a message (``None`` when they are equal).
+
+    Returns:
+        e.g. ``"10,000 words vs 6,021 words; first difference at id 4: 'the' vs 'a'"``.
+    """
+    if ours == theirs:
+        return None
+    a, b = ours.tokens, theirs.tokens
+    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    def word(tokens: list[str]) -> str:
+        return repr(tokens[index]) if index < len(tokens) else "(none)"
+
+    return f"{len(a):,} words vs {len(b):,} words; first difference at id {index}: {word(a)} vs {word(b)}"

@@ -1,0 +1,236 @@
+"""The bad-input matrix: what a user sees for each wrong config, layout, partition, bucket setting, corpus, data
+size or checkpoint, through ``train.py``'s ``train(cfg)``.
+
+Every case must fail with its message, within its deadline (no hang), and leave an existing checkpoint in the
+run's checkpoint directory untouched. One-process cases run in this process: they must fail before any rank is
+launched (launching from pytest is turned into an error). Cases that can only fail once the ranks exist run
+``python train.py`` on two processes, and every rank must print the message.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mp_lstm import launcher
+from lightning_mp_lstm.app import train
+from tests.helpers import run_command
+
+SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40", "data.synthetic.num_test=40"]
+TINY = ["trainer=ci", "data.batch_size=16", "model.hidden_size=16", "model.embedding_dim=16"]
+
+
+def _base(overrides: list[str]) -> list[str]:
+    """The tiny settings, with the synthetic corpus's sizes unless the case picks another corpus."""
+    other_corpus = any(o.startswith("data=") for o in overrides)
+    return [*TINY, *([] if other_corpus else SYNTHETIC)]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    overrides: list[str]
+    message: str  # a regular expression the error (or every rank's output) must contain
+    error: str = "Exception"  # the exception's class name (or a base class's) for in-process cases
+    ranks: int = 1  # > 1: run `python train.py` on that many processes
+    files: dict[str, str] = field(default_factory=dict)  # placeholders in overrides -> file kinds to create
+
+
+CASES = [
+    # ----- model config
+    Case("model: no LSTM layer", ["model.num_layers=0"], r"num_layers must be a positive integer, got 0"),
+    Case("model: negative width", ["model.hidden_size=-4"], r"hidden_size must be a positive integer, got -4"),
+    Case("model: dropout of 1.5", ["model.dropout=1.5"], r"dropout must be in \[0, 1\), got 1.5"),
+    Case("model: unknown optimizer", ["model.optimizer=rmsprop"],
+         r"unknown optimizer 'rmsprop'; allowed: sgd, adam, adamw"),
+    Case("model: tied weights of two widths", ["model.tie_weights=true", "model.embedding_dim=8"],
+         r"tie_weights=True needs embedding_dim == hidden_size, got 8 and 16"),
+    # ----- layouts and schedules
+    Case("layout: devices for another layout", ["layout=dp2_pp2", "trainer.devices=2"],
+         r"trainer.devices x trainer.num_nodes = 2 processes but the layout needs data_parallel_size=2 x "
+         r"pipeline_parallel_size=2 = 4 processes", "LayoutError"),
+    Case("layout: partition for another layout", ["layout=pp2", "partition=balanced4"],
+         r"has 4 stages but the layout gives pipeline_parallel_size=2 x stages_per_rank=1 = 2", "LayoutError"),
+    Case("layout: zero pipeline stages", ["layout.pipeline_parallel_size=0"],
+         r"pipeline_parallel_size must be a positive integer, got 0", "LayoutError"),
+    Case("layout: unknown schedule", ["layout=pp2", "schedule.name=zigzag"],
+         r"unknown schedule 'zigzag'; allowed: GPipe, 1F1B, Interleaved1F1B", "LayoutError"),
+    Case("layout: one-stage schedule, two stages per rank", ["layout=pp2_v2", "schedule=1f1b"],
+         r"schedule 1F1B runs one stage per rank, but stages_per_rank=2", "LayoutError"),
+    Case("layout: n_microbatches a word", ["layout=pp2", "schedule.n_microbatches=many"],
+         r"n_microbatches must be a positive integer, None or 'auto', got 'many'", "LayoutError"),
+    Case("layout: n_microbatches not dividing the batch", ["layout=pp2", "schedule.n_microbatches=3"],
+         r"n_microbatches=3 must divide the per-replica batch of 16 sentences .*allowed values: \[1, 2, 4, 8, 16\]",
+         "LayoutError"),
+    Case("layout: auto microbatches with no valid count", ["layout=pp2", "schedule.n_microbatches=auto",
+                                                            "data.batch_size=1"],
+         r"n_microbatches='auto' found no count: .*per-replica batch of 1 sentences .*schedule 1F1B with 2 stages",
+         "LayoutError"),
+    Case("layout: more stages than blocks", ["layout=pp2_v2", "model.num_layers=1"],
+         r"the layout has 4 pipeline stages .* but the model has 3 blocks \(embedding, lstm.0, decoder\)",
+         "PartitionError"),
+    Case("layout: batch not splitting over replicas", ["layout=dp2", "data.batch_size=15"],
+         r"batch_size=15 sentences must split evenly over data_parallel_size=2 replicas", "LayoutError"),
+    Case("layout: tied weights on two processes", ["layout=pp2", "model.tie_weights=true"],
+         r"tie_weights=True needs 'embedding' and 'decoder' on the same process, but the partition puts them on "
+         r"stages 0 and 1", "PartitionError"),
+    # ----- partitions
+    Case("partition: a flat list", ["partition=manual", "partition.stages=[embedding,lstm.0]"],
+         r"the partition is a flat list of block names \['embedding', 'lstm.0'\]; give one list of block names per "
+         r"stage", "PartitionError"),
+    Case("partition: unknown block", ["partition=manual", "partition.stages=[[embedding,lstm.0],[lstm.7,decoder]]"],
+         r"unknown block name 'lstm.7' in stage 1; valid block names are: embedding, lstm.0, lstm.1, decoder",
+         "PartitionError"),
+    Case("partition: a block missing", ["partition=manual", "partition.stages=[[embedding,lstm.0],[lstm.1]]"],
+         r"every block must appear exactly once; missing blocks: decoder", "PartitionError"),
+    Case("partition: out of order", ["partition=manual", "partition.stages=[[embedding,lstm.1],[lstm.0,decoder]]"],
+         r"stages must be contiguous and in model order: stage 0 has 'lstm.1' where 'lstm.0' was expected",
+         "PartitionError"),
+    Case("partition: an empty stage", ["partition=manual", "partition.stages=[[embedding,lstm.0,lstm.1,decoder],[]]"],
+         r"stage 1 is empty; every stage needs at least one block", "PartitionError"),
+    Case("partition: unknown cost", ["partition=balanced2", "partition.balance_by=speed"],
+         r"unknown balance_by 'speed'; allowed: time, flops, memory", "PartitionError"),
+    Case("partition: unknown name", ["partition.stages=zigzag", "layout=pp2"],
+         r"unknown partition 'zigzag'; allowed: 'even', 'balanced'", "PartitionError"),
+    # ----- buckets
+    Case("buckets: a zero length", ["buckets.lengths=[0,8]"],
+         r"bucket lengths must be a non-empty list of positive integers, got \[0, 8\]"),
+    Case("buckets: a word", ["buckets.lengths=fancy"],
+         r"buckets must be a list of lengths, 'auto' or None, got 'fancy'"),
+    Case("buckets: no automatic bucket", ["buckets.num_buckets=0"], r"num_buckets must be >= 1, got 0"),
+    Case("buckets: unknown long-sentence policy", ["data.long_sentence_policy=chop"],
+         r"unknown long_sentence_policy 'chop'; allowed: split, truncate, drop"),
+    # ----- corpora
+    Case("corpus: unknown source", ["data.source=csv"],
+         r"unknown data source 'csv'; expected one of synthetic, ptb, wikitext, text"),
+    Case("corpus: PTB without files", ["data=ptb"],
+         r"source='ptb' needs a path \(directory\), explicit train/valid/test files or download"),
+    Case("corpus: missing directory", ["data=ptb", "data.path=/nonexistent/ptb"],
+         r"corpus path '/nonexistent/ptb' does not exist"),
+    Case("corpus: directory without a test split", ["data=ptb", "data.path={ptb_no_test}"],
+         r"missing test split in corpus directory '.*ptb_partial': looked for ptb.test.txt, wiki.test.tokens",
+         files={"ptb_no_test": "ptb_dir_without_test"}),
+    Case("corpus: empty training file", ["data=text", "data.train={empty}", "data.valid={text}", "data.test={text}"],
+         r"empty.txt.* (is empty|has no sentences)", files={"empty": "empty", "text": "text"}),
+    Case("corpus: binary training file", ["data=text", "data.train={binary}", "data.valid={text}", "data.test={text}"],
+         r"binary.bin.*line 1", files={"binary": "binary", "text": "text"}),
+    Case("corpus: download for WikiText", ["data=wikitext", "data.path=/tmp", "+data.download=true"],
+         r"download=True is only available for source='ptb'"),
+    # ----- data sizes
+    Case("data: batch of 0", ["data.batch_size=0"], r"batch_size must be >= 1, got 0"),
+    Case("data: token budget below a bucket", ["data.batch_size=null", "data.max_tokens=10", "buckets=mxnet"],
+         r"bucket of length \d+ allows only 0 sentences per global batch"),
+    Case("data: fewer sentences than replicas", ["layout=dp2", "data.synthetic.num_train=1"],
+         r"dataset has 1 examples, fewer than the required 2", ranks=2),
+    Case("data: evaluation batch of one sentence for two replicas", ["layout=dp2", "data.eval_batch_size=1"],
+         r"valid split \(eval_batch_size=1\): .*allows only 1 sentences per global batch", ranks=2),
+    # ----- checkpoints
+    Case("checkpoint: missing file", ["ckpt_path=/nonexistent/model.ckpt"],
+         r"checkpoint /nonexistent/model.ckpt does not exist", "FileNotFoundError"),
+    Case("checkpoint: truncated", ["ckpt_path={truncated}"],
+         r"checkpoint .*truncated.ckpt \([\d,]+ bytes\) cannot be read: it is truncated or not a checkpoint",
+         "CheckpointError", files={"truncated": "truncated_checkpoint"}),
+    Case("checkpoint: not a checkpoint", ["ckpt_path={text}"],
+         r"cannot be read: it is truncated or not a checkpoint", "CheckpointError", files={"text": "text"}),
+    Case("checkpoint: another model size", ["ckpt_path={checkpoint}", "model.hidden_size=32", "model.embedding_dim=32"],
+         r"the checkpoint's embedding.weight has shape \(\d+, 16\) but the model's has shape \(\d+, 32\)",
+         "CheckpointError", files={"checkpoint": "checkpoint"}),
+    Case("checkpoint: another number of layers", ["ckpt_path={checkpoint}", "model.num_layers=3"],
+         r"the checkpoint does not fit the model: missing \['lstm.2.weight_ih_l0'", "CheckpointError",
+         files={"checkpoint": "checkpoint"}),
+    Case("checkpoint: another vocabulary", ["ckpt_path={checkpoint}", "data.seed=11"],
+         r"the checkpoint's vocabulary differs from the one built from the training data \(checkpoint vs data: "
+         r"[\d,]+ words vs [\d,]+ words; first difference at id \d+: 'w\d+' vs 'w\d+'\)", "ValueError",
+         files={"checkpoint": "checkpoint"}),
+    Case("checkpoint: truncated, on two processes", ["layout=pp2", "ckpt_path={truncated}"],
+         r"cannot be read: it is truncated or not a checkpoint", "CheckpointError",
+         files={"truncated": "truncated_checkpoint"}),
+]
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory) -> Path:
+    """A real checkpoint of the tiny synthetic run (one process)."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.helpers import ROOT
+
+    directory = tmp_path_factory.mktemp("good")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"checkpoint_dir={directory}/checkpoints", *TINY,
+                                                      *SYNTHETIC, "evaluate=false"])
+    return Path(train(cfg)["checkpoint"])
+
+
+def _make_file(kind: str, directory: Path, good: Path) -> Path:
+    if kind == "checkpoint":
+        return good
+    if kind == "truncated_checkpoint":
+        path = directory / "truncated.ckpt"
+        data = good.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        return path
+    if kind == "text":
+        path = directory / "text.txt"
+        path.write_text("the cat sat on the mat\n" * 20)
+        return path
+    if kind == "empty":
+        path = directory / "empty.txt"
+        path.write_text("")
+        return path
+    if kind == "binary":
+        path = directory / "binary.bin"
+        path.write_bytes(bytes(range(256)) * 4)
+        return path
+    if kind == "ptb_dir_without_test":
+        path = directory / "ptb_partial"
+        path.mkdir()
+        for split in ("train", "valid"):
+            (path / f"ptb.{split}.txt").write_text("a b c\n" * 10)
+        return path
+    raise ValueError(kind)
+
+
+def _refuse_to_launch(*args, **kwargs):
+    raise AssertionError("this case launched rank processes instead of failing first")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_fails_clearly_and_keeps_the_checkpoint(case, tmp_path, good_checkpoint, compose_train,
+                                                          monkeypatch):
+    torch.set_num_threads(1)
+    files = {name: _make_file(kind, tmp_path, good_checkpoint) for name, kind in case.files.items()}
+    overrides = [o.format(**files) for o in case.overrides]
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    shutil.copy(good_checkpoint, checkpoints / "last.ckpt")
+    before = (checkpoints / "last.ckpt").read_bytes()
+    if case.ranks == 1:
+        monkeypatch.setattr(launcher.JobLauncher, "_call_children_scripts", _refuse_to_launch)
+        with pytest.raises(Exception) as caught:
+            train(compose_train(*_base(overrides), *overrides))
+        names = {cls.__name__ for cls in type(caught.value).__mro__}
+        assert case.error in names, f"{type(caught.value).__name__}: {caught.value}"
+        assert re.search(case.message, str(caught.value)), str(caught.value)
+    else:
+        args = [sys.executable, "train.py", *_base(overrides), *overrides, f"checkpoint_dir={checkpoints}",
+                f"hydra.run.dir={tmp_path}/run"]
+        result = run_command(args, timeout=50)
+        assert result.returncode != 0, result.stdout[-3000:]
+        found = re.findall(case.message, result.stdout)
+        assert len(found) >= case.ranks, result.stdout[-4000:]  # every rank says it
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
+    assert (checkpoints / "last.ckpt").read_bytes() == before
+
+
+def test_the_matrix_covers_every_kind_of_input():
+    kinds = {case.id.split(":")[0] for case in CASES}
+    assert kinds == {"model", "layout", "partition", "buckets", "corpus", "data", "checkpoint"}
+    assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
