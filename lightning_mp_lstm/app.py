@@ -13,6 +13,7 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
+from hydra.errors import InstantiationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
@@ -126,6 +127,22 @@ def _strategy(cfg: DictConfig, resolved: ResolvedLayout) -> Any:
     )
 
 
+def _build(node: DictConfig, group: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` whose error is the target's own, prefixed with the config group, instead of
+    Hydra's two-line wrapper."""
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        if cause is None:
+            raise
+        try:
+            clearer = type(cause)(f"{group}: {cause}")
+        except Exception:  # noqa: BLE001  (an exception class that takes other arguments: keep Hydra's)
+            raise error from None
+        raise clearer from error
+
+
 def check_resume(path: str, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
     """Check that the checkpoint at ``path`` can resume ``model`` on ``datamodule``: readable, every tensor of
     the model's shape, and (for :class:`LMDataModule`) the vocabulary the data was built with.
@@ -165,10 +182,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     resolved = resolve_layout(cfg)
     strategy = _strategy(cfg, resolved)
-    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule = _build(cfg.data, "data")
     datamodule.prepare_data()
     datamodule.setup("fit")
-    model = hydra.utils.instantiate(cfg.model, vocab_size=datamodule.vocab_size)
+    model = _build(cfg.model, "model", vocab_size=datamodule.vocab_size)
     # Fail here, before any process starts, on what the ranks would otherwise each find after launching.
     if isinstance(strategy, MPLSTMStrategy):
         strategy.check(model, datamodule)

@@ -20,7 +20,7 @@ import torch
 
 from lightning_mp_lstm import launcher
 from lightning_mp_lstm.app import train
-from tests.helpers import run_command
+from tests.helpers import ROOT, run_command
 
 SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40", "data.synthetic.num_test=40"]
 TINY = ["trainer=ci", "data.batch_size=16", "model.hidden_size=16", "model.embedding_dim=16"]
@@ -159,8 +159,6 @@ def good_checkpoint(tmp_path_factory) -> Path:
     """A real checkpoint of the tiny synthetic run (one process)."""
     from hydra import compose, initialize_config_dir
 
-    from tests.helpers import ROOT
-
     directory = tmp_path_factory.mktemp("good")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"checkpoint_dir={directory}/checkpoints", *TINY,
@@ -230,7 +228,10 @@ def test_bad_input_fails_clearly_and_keeps_the_checkpoint(case, tmp_path, good_c
     assert (checkpoints / "last.ckpt").read_bytes() == before
 
 
-def test_the_matrix_covers_every_kind_of_input():
+def test_the_matrix_covers_every_kind_of_input_and_the_docs_list_every_case():
     kinds = {case.id.split(":")[0] for case in CASES}
     assert kinds == {"model", "layout", "partition", "buckets", "corpus", "data", "checkpoint"}
     assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
+    table = (ROOT / "docs" / "reliability.md").read_text().split("## The bad-input matrix", 1)[1]
+    listed = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert sorted(re.sub(r" \(2 processes\)$", "", c) for c in listed[1:]) == sorted(c.id for c in CASES)

@@ -240,7 +240,7 @@ class _MaskRecorder(pl.Callback):
                 block = name.rsplit(".", 1)[0]
 
                 def record(module, inputs, output, block=block):
-                    if module.training and not any(stage.inferring_shapes for stage in stages):
+                    if module.training and not any(getattr(stage, "inferring_shapes", False) for stage in stages):
                         pattern = (output == 0) & (inputs[0] != 0)
                         digest = hashlib.sha1(pattern.numpy().tobytes()).hexdigest()[:12]
                         self.masks.setdefault(block, []).append(digest)
