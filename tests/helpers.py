@@ -29,6 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PTB_ENV = "LIGHTNING_MP_LSTM_PTB_DIR"
 #: Vocabulary size of the hand-made batches.
 VOCAB = 37
+#: ``train.py`` overrides for a run of a few seconds: the tiny model on a small synthetic corpus.
+TINY_RUN = ["trainer=ci", "data.batch_size=16", "model.hidden_size=16", "model.embedding_dim=16"]
+#: The small synthetic corpus's sizes (only with ``data=synthetic``, the default).
+SMALL_SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40", "data.synthetic.num_test=40"]
 
 
 # ----- data ------------------------------------------------------------------------------------------------
@@ -227,16 +231,10 @@ def run_command(args: list[str], timeout: float, **env: str) -> subprocess.Compl
     """Run ``args`` from the repository root in its own process group, one CPU thread per process.
 
     Whatever it launches (Lightning's rank processes, torchrun workers) is killed with it if it outlives
-    ``timeout``; the call then raises ``TimeoutError`` with the tail of the output.
+    ``timeout``; the call then raises ``TimeoutError`` with the tail of the output. Processes it leaves behind
+    are killed too (:func:`run_command_and_leftovers` reports them).
     """
-    proc = start_command(args, **env)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise TimeoutError(f"{' '.join(args)} did not finish in {timeout:.0f} s; output:\n{out[-4000:]}") from None
-    return subprocess.CompletedProcess(args, proc.returncode, out, None)
+    return run_command_and_leftovers(args, timeout, **env)[0]
 
 
 def start_command(args: list[str], **env: str) -> subprocess.Popen:

@@ -13,18 +13,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from lightning_mp_lstm.app import train
-from tests.helpers import free_port, run_command, start_command
+from tests.helpers import ROOT, SMALL_SYNTHETIC, TINY_RUN, free_port, run_command, start_command
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "trainer=ci",
-    "data.synthetic.num_train=300",
-    "data.synthetic.num_valid=40",
-    "data.synthetic.num_test=40",
-    "data.batch_size=16",
-    "model.hidden_size=16",
-    "model.embedding_dim=16",
-]
+TINY = [*TINY_RUN, *SMALL_SYNTHETIC]
 
 
 def _compose(tmp_path: Path, *overrides: str):

@@ -20,10 +20,9 @@ import torch
 
 from lightning_mp_lstm import launcher
 from lightning_mp_lstm.app import train
-from tests.helpers import ROOT, run_command
+from tests.helpers import ROOT, SMALL_SYNTHETIC, TINY_RUN, run_command
 
-SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40", "data.synthetic.num_test=40"]
-TINY = ["trainer=ci", "data.batch_size=16", "model.hidden_size=16", "model.embedding_dim=16"]
+TINY, SYNTHETIC = TINY_RUN, SMALL_SYNTHETIC
 
 
 def _base(overrides: list[str]) -> list[str]:

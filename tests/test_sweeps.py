@@ -23,17 +23,16 @@ from lightning.fabric.strategies.launchers.subprocess_script import _launch_proc
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_mp_lstm.launcher import LAUNCH_ENV, JobLauncher, hydra_quote
-from tests.helpers import ROOT, free_port, processes_in_group, run_command_and_leftovers
+from tests.helpers import (
+    ROOT,
+    SMALL_SYNTHETIC,
+    TINY_RUN,
+    free_port,
+    processes_in_group,
+    run_command_and_leftovers,
+)
 
-TINY = [
-    "trainer=ci",
-    "data.synthetic.num_train=300",
-    "data.synthetic.num_valid=40",
-    "data.synthetic.num_test=40",
-    "data.batch_size=16",
-    "model.hidden_size=16",
-    "model.embedding_dim=16",
-]
+TINY = [*TINY_RUN, *SMALL_SYNTHETIC]
 
 
 def _listing(path: Path) -> set[str]:
