@@ -22,7 +22,6 @@ from lightning_mp_lstm.checkpoint import local_model_state, read_checkpoint
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.layout import LayoutError
 from lightning_mp_lstm.model import perplexity
-from lightning_mp_lstm.partition import block_names
 from lightning_mp_lstm.strategy import MPLSTMStrategy
 
 __all__ = ["ResolvedLayout", "check_resume", "resolve_layout", "train"]
@@ -105,11 +104,9 @@ def resolve_layout(cfg: DictConfig) -> ResolvedLayout:
 def _partition_option(cfg: DictConfig) -> Any:
     stages = cfg.partition.stages
     if stages == "per_layer":
-        return [[name] for name in block_names(int(cfg.model.num_layers))]
+        return "per_block"
     if OmegaConf.is_list(stages):
         return OmegaConf.to_container(stages)  # as given: the strategy names what is wrong with it
-    if stages == "balanced":
-        return f"balanced:{cfg.partition.balance_by or 'time'}"
     return stages
 
 
@@ -122,6 +119,7 @@ def _strategy(cfg: DictConfig, resolved: ResolvedLayout) -> Any:
         data_parallel_size=resolved.data_parallel_size,
         stages_per_rank=resolved.stages_per_rank,
         partition=_partition_option(cfg),
+        balance_by=cfg.partition.balance_by or "time",
         schedule=cfg.schedule.name,
         n_microbatches=cfg.schedule.n_microbatches,
     )

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["PeerDirectory", "everywhere", "looks_like_lost_peer", "result_from"]
+__all__ = ["PeerDirectory", "everywhere", "gather", "looks_like_lost_peer", "result_from"]
 
 T = TypeVar("T")
 
@@ -79,22 +79,30 @@ def result_from(src: int, fn: Callable[[], T]) -> T:
     return value
 
 
-def everywhere(fn: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
-    """Run ``fn`` on every rank of ``group``; if it raises on any rank, every rank raises the exception of the
-    lowest failing rank. Use it around local work that is followed by a collective."""
+def gather(fn: Callable[[], T], group: dist.ProcessGroup | None = None) -> list[T]:
+    """Run ``fn`` on every rank of ``group`` and return every rank's result, in rank order; if it raises on any
+    rank, every rank raises the exception of the lowest failing rank (one collective either way)."""
     if not _initialized():
-        return fn()
+        return [fn()]
     try:
         outcome: Any = ("ok", fn())
     except Exception as error:  # noqa: BLE001  (shared below)
         outcome = ("error", _portable(error))
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, outcome if outcome[0] == "error" else ("ok", None), group=group)
+    dist.all_gather_object(gathered, outcome, group=group)
     for rank, (kind, value) in enumerate(gathered):
         if kind == "error":
             global_rank = dist.get_global_rank(group, rank) if group is not None else rank
             _raise_shared(value, global_rank)
-    return outcome[1]
+    return [value for _, value in gathered]
+
+
+def everywhere(fn: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
+    """Run ``fn`` on every rank of ``group``; if it raises on any rank, every rank raises the exception of the
+    lowest failing rank. Use it around local work that is followed by a collective."""
+    if not _initialized():
+        return fn()
+    return gather(fn, group)[dist.get_rank(group)]
 
 
 def looks_like_lost_peer(error: BaseException) -> bool:

@@ -1,14 +1,23 @@
 """Parallel layout: how processes are arranged into data-parallel replicas and pipeline stages.
 
-The layout is a small validated dataclass. It knows nothing about processes; the strategy builds a
-:class:`~torch.distributed.device_mesh.DeviceMesh` from it once the process group exists.
+The layout is a small validated, immutable dataclass: :meth:`ParallelLayout.resolve` turns the user's options
+(``"auto"`` included) and the world size into one, once; it maps stages to ranks both ways and builds the
+:class:`~torch.distributed.device_mesh.DeviceMesh` with its dimension names once the process group exists.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
-__all__ = ["LayoutError", "ParallelLayout", "SCHEDULES", "schedule_style"]
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MESH_DIMS", "LayoutError", "ParallelLayout", "SCHEDULES", "schedule_style"]
+
+#: Names of the device mesh's dimensions, outermost first.
+MESH_DIMS = ("data_parallel", "pipeline_parallel")
 
 # Schedule name -> how stages sit on ranks. "single": one stage per rank; "loop": stage s on rank
 # s % pp (interleaved); "v": rank r holds stages r and 2*pp-1-r (V-shaped). Names as torch spells them.
@@ -151,3 +160,79 @@ class ParallelLayout:
     def coordinates(self, global_rank: int) -> tuple[int, int]:
         """``(data_parallel_rank, pipeline_rank)`` of a global rank."""
         return divmod(global_rank, self.pipeline_parallel_size)
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank that holds stage ``stage`` (the inverse of :meth:`stage_indices`)."""
+        for rank in range(self.pipeline_parallel_size):
+            if stage in self.stage_indices(rank):
+                return rank
+        raise LayoutError(f"stage must be in [0, {self.num_stages}), got {stage}")
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        data_parallel_size: int = 1,
+        pipeline_parallel_size: int | str = "auto",
+        stages_per_rank: int | None = None,
+        schedule: str = "1F1B",
+        n_microbatches: int | None = None,
+    ) -> ParallelLayout:
+        """The layout for ``world_size`` processes from the user's options.
+
+        Args:
+            world_size: processes in the job.
+            data_parallel_size: replicas of the pipeline.
+            pipeline_parallel_size: processes per pipeline; ``"auto"``: ``world_size / data_parallel_size``.
+            stages_per_rank: stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and V schedules.
+            schedule: a name from :data:`SCHEDULES` (case-insensitive).
+            n_microbatches: microbatches per replica batch; ``None``: the number of stages.
+
+        Raises:
+            LayoutError: the options do not fit together or do not use exactly ``world_size`` processes.
+        """
+        dp = data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise LayoutError(f"data_parallel_size must be a positive integer, got {dp!r}")
+        if pipeline_parallel_size == "auto":
+            if world_size % dp:
+                raise LayoutError(
+                    f"data_parallel_size={dp} does not divide the world size {world_size}; "
+                    f"allowed: {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+                )
+            pipeline_parallel_size = world_size // dp
+        _, style = schedule_style(schedule)
+        spr = stages_per_rank if stages_per_rank is not None else (1 if style == "single" else 2)
+        stages = pipeline_parallel_size * spr if isinstance(pipeline_parallel_size, int) else 1
+        m = n_microbatches if n_microbatches is not None else stages
+        layout = cls(dp, pipeline_parallel_size, spr, schedule, m)
+        layout.check_world_size(world_size)
+        return layout
+
+    def build_mesh(self, device_type: str, backend: str, timeout: timedelta) -> DeviceMesh:
+        """The ``(data_parallel, pipeline_parallel)`` device mesh; its sub-groups get ``timeout`` too.
+
+        ``init_device_mesh`` creates sub-groups with torch's 30-minute default timeout, whatever the default
+        group's, so a crashed rank would hang the other replicas' pipelines; the backend options fix that.
+        """
+        return init_device_mesh(
+            device_type,
+            (self.data_parallel_size, self.pipeline_parallel_size),
+            mesh_dim_names=MESH_DIMS,
+            backend_override=_timeout_options(backend, timeout),
+        )
+
+
+def _timeout_options(backend: str, timeout: timedelta) -> dict[str, Any] | None:
+    if backend == "gloo":
+        make = dist.ProcessGroupGloo._Options
+    elif backend == "nccl" and dist.is_nccl_available():
+        make = dist.ProcessGroupNCCL.Options
+    else:
+        return None
+    override = {}
+    for name in MESH_DIMS:
+        options = make()
+        options._timeout = timeout
+        override[name] = (backend, options)
+    return override

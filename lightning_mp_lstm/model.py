@@ -2,18 +2,25 @@
 
 Blocks, in model order: ``embedding``, ``lstm.0`` ... ``lstm.{N-1}``, ``decoder``. Removing blocks
 (:meth:`LSTMLanguageModel.keep_blocks`) never renames a parameter, so one checkpoint serves every layout.
+The model implements :class:`~lightning_mp_lstm.contract.PipelineModel`: every block's initial values depend
+only on its name and the model's seed, so a model built on the meta device and materialized block by block
+(:meth:`LSTMLanguageModel.materialize_blocks`) equals the one built whole.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_mp_lstm import costs
 
 __all__ = ["LSTMLanguageModel", "block_names", "perplexity", "prediction_from_logits", "token_loss_sum"]
 
@@ -105,19 +112,16 @@ class LSTMLanguageModel(pl.LightningModule):
         if optimizer.lower() not in ("sgd", "adam", "adamw"):
             raise ValueError(f"unknown optimizer {optimizer!r}; allowed: sgd, adam, adamw")
         self.save_hyperparameters()
-        self.embedding: nn.Module | None = _Embedding(vocab_size, embedding_dim, dropout)
-        self.lstm = nn.ModuleDict(
-            {
-                str(i): _LSTMLayer(embedding_dim if i == 0 else hidden_size, hidden_size, dropout)
-                for i in range(num_layers)
-            }
-        )
-        self.decoder: nn.Module | None = _Decoder(hidden_size, vocab_size)
-        if init_range is not None:
-            for p in self.parameters():
-                nn.init.uniform_(p, -init_range, init_range)
-        if tie_weights:
-            self.decoder.weight = self.embedding.weight
+        # Every block's initial values derive from this seed and the block's name (drawn from the global
+        # generator, so seeding before construction fixes the model).
+        self._init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
+        meta = torch.empty(0).device.type == "meta"  # built under torch.device("meta"): no storage yet
+        built = {name: self._new_block(name) if meta else self._initial_block(name) for name in self.block_names}
+        # Registered in model order: named_parameters() order is what optimizers pair saved state by.
+        self.embedding: nn.Module | None = built["embedding"]
+        self.lstm = nn.ModuleDict({name[5:]: built[name] for name in self.block_names if name.startswith("lstm.")})
+        self.decoder: nn.Module | None = built["decoder"]
+        self._tie()
         #: Set by a pipeline strategy; ``None`` means a plain local forward pass.
         self.pipeline: Any = None
         self._last_step_time: float | None = None
@@ -128,6 +132,101 @@ class LSTMLanguageModel(pl.LightningModule):
     def block_names(self) -> list[str]:
         """All block names of the full model, in order (also after pruning)."""
         return block_names(self.hparams.num_layers)
+
+    def _new_block(self, name: str) -> nn.Module:
+        """Block ``name`` with PyTorch's initialization, on the current default device."""
+        hp = self.hparams
+        if name == "embedding":
+            return _Embedding(hp.vocab_size, hp.embedding_dim, hp.dropout)
+        if name == "decoder":
+            return _Decoder(hp.hidden_size, hp.vocab_size)
+        layer = int(name.split(".", 1)[1])
+        return _LSTMLayer(hp.embedding_dim if layer == 0 else hp.hidden_size, hp.hidden_size, hp.dropout)
+
+    def _initial_block(self, name: str) -> nn.Module:
+        """Block ``name`` with its initial values, on the CPU: drawn from a generator seeded by the model's seed
+        and the block's name only, so they do not depend on which other blocks exist (or on the device)."""
+        seed = (self._init_seed ^ zlib.crc32(name.encode())) % 2**63
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.manual_seed(seed)
+            block = self._new_block(name)
+            if self.hparams.init_range is not None:
+                for parameter in block.parameters():
+                    nn.init.uniform_(parameter, -self.hparams.init_range, self.hparams.init_range)
+        return block
+
+    def _set_block(self, name: str, module: nn.Module | None) -> None:
+        if name.startswith("lstm."):
+            if module is None:
+                if name[5:] in self.lstm:
+                    del self.lstm[name[5:]]
+            else:
+                self.lstm[name[5:]] = module
+        else:
+            setattr(self, name, module)
+
+    def _tie(self) -> None:
+        if self.hparams.tie_weights and self.embedding is not None and self.decoder is not None:
+            self.decoder.weight = self.embedding.weight
+
+    def materialize_blocks(self, names: Sequence[str], device: torch.device) -> None:
+        """Give the blocks ``names`` that are still on the meta device their initial values, on ``device``."""
+        for name, module in self.blocks(list(names)):
+            if any(p.is_meta for p in module.parameters()):
+                self._set_block(name, self._initial_block(name).to(device))
+        self._tie()
+
+    def build_block(self, name: str, device: torch.device) -> nn.Module:
+        """A new block ``name`` on ``device`` (for timing; the global random state is left alone)."""
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+            return self._new_block(name)
+
+    def example_input(self, name: str, rows: int, length: int, device: torch.device) -> torch.Tensor:
+        """Token ids for the embedding, activations of the right width for the other blocks."""
+        hp = self.hparams
+        if name == "embedding":
+            return torch.randint(1, hp.vocab_size, (rows, length), device=device)
+        width = hp.embedding_dim if name == "lstm.0" else hp.hidden_size
+        return torch.randn(rows, length, width, device=device)
+
+    def example_targets(self, rows: int, length: int, device: torch.device) -> torch.Tensor:
+        """Random next-token ids (no padding)."""
+        return torch.randint(1, self.hparams.vocab_size, (rows, length), device=device)
+
+    def microbatch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy over the real (non-padding) target tokens."""
+        return token_loss_sum(outputs, targets)
+
+    def loss_weight(self, targets: torch.Tensor) -> torch.Tensor:
+        """The number of real (non-padding) target tokens."""
+        return (targets != 0).sum()
+
+    def pad_rows(self, inputs: torch.Tensor, targets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``rows`` all-padding rows (id 0), which add nothing to the loss."""
+        return (torch.cat([inputs, inputs.new_zeros((rows, *inputs.shape[1:]))]),
+                torch.cat([targets, targets.new_zeros((rows, *targets.shape[1:]))]))
+
+    def predictions(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """See :meth:`predict_step`."""
+        return prediction_from_logits(outputs, targets)
+
+    def tied_blocks(self) -> list[tuple[str, ...]]:
+        """``[("embedding", "decoder")]`` with ``tie_weights``, else nothing."""
+        return [("embedding", "decoder")] if self.hparams.tie_weights else []
+
+    def analytic_costs(self, kind: str, rows: int, length: int) -> dict[str, float]:
+        """``"flops"`` of a ``rows x length`` batch, ``"memory"`` bytes or ``"parameters"`` of every block."""
+        hp = self.hparams
+        shape = costs.ModelShape(hp.vocab_size, hp.embedding_dim, hp.hidden_size, hp.num_layers, bool(hp.tie_weights))
+        if kind == "flops":
+            return costs.flop_costs(shape, rows, [length])
+        if kind == "memory":
+            optimizer = hp.optimizer.lower()
+            name = "adam" if optimizer != "sgd" else ("sgd_momentum" if hp.momentum else "sgd")
+            return costs.memory_costs(shape, optimizer=name)
+        if kind == "parameters":
+            return {k: float(v) for k, v in costs.parameter_counts(shape).items()}
+        raise ValueError(f"unknown cost kind {kind!r}; allowed: flops, memory, parameters")
 
     def blocks(self, names: list[str] | None = None) -> list[tuple[str, nn.Module]]:
         """The present blocks (optionally only ``names``), in model order."""
@@ -153,13 +252,8 @@ class LSTMLanguageModel(pl.LightningModule):
         if unknown:
             raise KeyError(f"unknown block names {unknown}; valid: {self.block_names}")
         for name in self.block_names:
-            if name in names:
-                continue
-            if name.startswith("lstm."):
-                if name[5:] in self.lstm:
-                    del self.lstm[name[5:]]
-            else:
-                setattr(self, name, None)
+            if name not in names:
+                self._set_block(name, None)
 
     # ----- computation ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

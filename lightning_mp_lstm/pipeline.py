@@ -20,9 +20,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from lightning_mp_lstm.data.bucketing import LMBatch, pad_batch_rows
 from lightning_mp_lstm.layout import ParallelLayout
-from lightning_mp_lstm.model import prediction_from_logits, token_loss_sum
 
 __all__ = ["PipelineRunner", "StageModule", "StageRandomness", "all_reduce_gradients", "build_pipeline"]
 
@@ -165,6 +163,7 @@ class PipelineRunner:
     """Runs training, evaluation and prediction batches through this process's pipeline stages.
 
     Args:
+        model: the model (its contract supplies the loss, padding rows and predictions).
         stage_modules: global stage index -> :class:`StageModule`, for the stages this process holds.
         layout: the validated parallel layout.
         pipeline_group: process group of this replica's pipeline (``None`` when pipeline size is 1).
@@ -176,6 +175,7 @@ class PipelineRunner:
 
     def __init__(
         self,
+        model: Any,
         stage_modules: dict[int, StageModule],
         layout: ParallelLayout,
         pipeline_group: dist.ProcessGroup | None,
@@ -183,6 +183,7 @@ class PipelineRunner:
         device: torch.device,
         accumulate_grad_batches: Callable[[], int] = lambda: 1,
     ) -> None:
+        self.model = model
         self.stage_modules = stage_modules
         self.layout = layout
         self.pipeline_group = pipeline_group
@@ -208,7 +209,7 @@ class PipelineRunner:
         if train:
             for module in self.stage_modules.values():
                 module.reset_finite_checks()
-        n_tokens = self._all_reduce_dp((targets != 0).sum())
+        n_tokens = self._all_reduce_dp(self.model.loss_weight(targets))
         scale = self.accumulate_grad_batches() if train else 1
         self._divisor = (n_tokens * scale).clamp(min=1).to(torch.float32)
         losses: list[torch.Tensor] = []
@@ -238,14 +239,14 @@ class PipelineRunner:
         inputs, targets = self._padded(batch)
         if self.layout.pipeline_parallel_size == 1:
             with torch.no_grad():
-                result = prediction_from_logits(self._local_forward(inputs), targets)
+                result = self.model.predictions(self._local_forward(inputs), targets)
             log_probs, next_token = result["log_probs"], result["next_token"]
         else:
             schedule = self._schedule(inputs.shape, "predict")
             with torch.no_grad():
                 logits = schedule.eval(*((inputs,) if self.has_first_stage else ()))
             if self.has_last_stage and logits is not None:
-                result = prediction_from_logits(logits, targets)
+                result = self.model.predictions(logits, targets)
                 log_probs, next_token = result["log_probs"], result["next_token"]
             else:
                 log_probs = torch.empty(targets.shape, dtype=torch.float32, device=self.device)
@@ -288,12 +289,13 @@ class PipelineRunner:
 
     # ----- helpers ---------------------------------------------------------------------------------
     def _padded(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        # Ragged batches get all-padding rows so the microbatches split evenly; they change no loss.
-        padded = pad_batch_rows(LMBatch(batch[0], batch[1]), self.layout.n_microbatches)
-        return padded.inputs, padded.targets
+        # Ragged batches get rows that add nothing to the loss, so the microbatches split evenly.
+        inputs, targets = batch[0], batch[1]
+        extra = -int(inputs.shape[0]) % self.layout.n_microbatches
+        return self.model.pad_rows(inputs, targets, extra) if extra else (inputs, targets)
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, targets) / self._divisor
+        return self.model.microbatch_loss(logits, targets) / self._divisor
 
     def _local_forward(self, inputs: torch.Tensor) -> torch.Tensor:
         (module,) = self.stage_modules.values()
@@ -344,7 +346,7 @@ class PipelineRunner:
 def build_pipeline(
     model: Any,
     layout: ParallelLayout,
-    partition: list[list[str]],
+    partition: Sequence[Sequence[str]],
     pipeline_rank: int,
     pipeline_group: dist.ProcessGroup | None,
     data_parallel_group: dist.ProcessGroup | None,
@@ -353,10 +355,11 @@ def build_pipeline(
     seed: int | None = None,
     data_parallel_rank: int = 0,
 ) -> PipelineRunner:
-    """Prune ``model`` to the blocks of ``pipeline_rank``'s stages and attach a runner to it.
+    """Prune ``model`` to the blocks of ``pipeline_rank``'s stages, give them storage, and attach a runner.
 
     Args:
-        model: an :class:`~lightning_mp_lstm.model.LSTMLanguageModel` (pruned in place; parameter names kept).
+        model: a :class:`~lightning_mp_lstm.contract.PipelineModel` (pruned in place; parameter names kept;
+            blocks still on the meta device get their initial values on ``device``).
         layout: the validated layout.
         partition: block names of every stage (``layout.num_stages`` lists).
         pipeline_rank: this process's rank within its pipeline.
@@ -371,8 +374,11 @@ def build_pipeline(
         The runner, also stored as ``model.pipeline``.
     """
     stage_ids = layout.stage_indices(pipeline_rank)
-    model.keep_blocks([name for s in stage_ids for name in partition[s]])
+    own = [name for s in stage_ids for name in partition[s]]
+    model.keep_blocks(own)
+    model.materialize_blocks(own, device)
     model.pipeline = PipelineRunner(
+        model=model,
         stage_modules={
             s: StageModule(
                 model.blocks(partition[s]),

@@ -1,20 +1,21 @@
-"""``MPLSTMStrategy``: pipeline (x data) parallel training of the LSTM language model in Lightning.
+"""``MPLSTMStrategy``: pipeline (x data) parallel training of a model made of named blocks, in Lightning.
 
-Shaped like Lightning's ``ModelParallelStrategy``: Lightning's launchers and cluster environments start
-the processes, the accelerator picks device and backend (gloo on CPU, nccl on CUDA), the precision plugin
-and checkpoint IO are Lightning's. What is ours: the layout (a ``DeviceMesh`` with ``data_parallel`` and
-``pipeline_parallel`` dimensions), pruning the model to this process's blocks, running each batch through
-``torch.distributed.pipelining`` schedules, and the reductions a split model needs (gradients across
-replicas once per optimizer step, the clipping norm across stages, name-keyed checkpoints).
+Shaped like Lightning's ``ModelParallelStrategy``: Lightning's launchers and cluster environments start the
+processes, the accelerator picks device and backend (gloo on CPU, nccl on CUDA), the precision plugin and
+checkpoint IO are Lightning's. The strategy is plumbing: the model honours
+:class:`~lightning_mp_lstm.contract.PipelineModel`; the layout (:class:`~lightning_mp_lstm.layout.ParallelLayout`)
+owns the device mesh; the plan (:func:`~lightning_mp_lstm.plan.make_plan`) says which blocks each stage holds;
+:func:`~lightning_mp_lstm.pipeline.build_pipeline` runs each batch through ``torch.distributed.pipelining``
+schedules. What is left here are the reductions a split model needs (gradients across replicas once per
+optimizer step, the clipping norm across stages), name-keyed checkpoints, and failing together.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -35,116 +36,47 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mp_lstm import checkpoint as ckpt
-from lightning_mp_lstm import planner
-from lightning_mp_lstm.faults import PeerDirectory, everywhere, result_from
+from lightning_mp_lstm import profile, report
+from lightning_mp_lstm.contract import check_data, check_model
+from lightning_mp_lstm.faults import PeerDirectory, gather, result_from
 from lightning_mp_lstm.launcher import JobLauncher
-from lightning_mp_lstm.layout import LayoutError, ParallelLayout
-from lightning_mp_lstm.partition import (
-    COST_KINDS,
-    PartitionError,
-    PartitionReport,
-    even_partition,
-    memory_costs,
-    parameter_counts,
-    partition_blocks,
-    partition_report,
-    validate_partition,
-)
+from lightning_mp_lstm.layout import LayoutError, ParallelLayout, schedule_style
+from lightning_mp_lstm.partition import PartitionError
 from lightning_mp_lstm.pipeline import all_reduce_gradients, build_pipeline
+from lightning_mp_lstm.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
 
 __all__ = ["MPLSTMStrategy"]
 
 
-def _mesh_timeout_override(backend: str, timeout: timedelta) -> dict[str, Any] | None:
-    """``init_device_mesh`` options giving the mesh's sub-groups the strategy's process-group timeout.
-
-    ``init_device_mesh`` creates sub-groups with ``new_group(timeout=None)``: torch's 30-minute default,
-    whatever the default group's timeout, so a crashed rank would hang the other replicas' pipelines.
-    """
-    if backend == "gloo":
-        make = dist.ProcessGroupGloo._Options
-    elif backend == "nccl" and dist.is_nccl_available():
-        make = dist.ProcessGroupNCCL.Options
-    else:
-        return None
-    override = {}
-    for name in ("data_parallel", "pipeline_parallel"):
-        options = make()
-        options._timeout = timeout
-        override[name] = (backend, options)
-    return override
-
-
-def _check_options(
-    partition: Any, balance_by: str, stage_speeds: Any, n_microbatches: Any, timeout: Any, num_threads: Any
-) -> None:
-    """Reject option values that can never work, when the strategy is built (on every rank, before any process
-    group exists); checks that need the model or the world size run in ``setup_environment``."""
-    if balance_by not in COST_KINDS:
-        raise PartitionError(f"unknown balance_by {balance_by!r}; allowed: {', '.join(COST_KINDS)}")
-    if isinstance(partition, str):
-        kind = partition.split(":", 1)[1] if partition.startswith("balanced:") else None
-        if kind is not None and kind not in COST_KINDS:
-            raise PartitionError(f"unknown balance_by {kind!r}; allowed: {', '.join(COST_KINDS)}")
-        if partition not in ("even", "balanced") and kind is None:
-            raise PartitionError(
-                f"unknown partition {partition!r}; allowed: 'even', 'balanced', "
-                f"{', '.join(repr('balanced:' + k) for k in COST_KINDS)}, or one list of block names per stage"
-            )
-    elif isinstance(partition, Sequence) and partition and all(isinstance(stage, str) for stage in partition):
-        raise PartitionError(
-            f"the partition is a flat list of block names {list(partition)!r}; give one list of block names per "
-            "stage, e.g. [['embedding', 'lstm.0'], ['lstm.1', 'decoder']]"
-        )
-    elif partition is not None and (
-        not isinstance(partition, Sequence) or any(isinstance(stage, str) for stage in partition)
-    ):
-        raise PartitionError(
-            f"partition must be 'even', 'balanced' or one list of block names per stage "
-            f"(e.g. [['embedding', 'lstm.0'], ['lstm.1', 'decoder']]), got {partition!r}"
-        )
-    if stage_speeds is not None and (
-        isinstance(stage_speeds, str) or not all(isinstance(v, (int, float)) and v > 0 for v in stage_speeds)
-    ):
-        raise PartitionError(f"stage_speeds must be positive numbers, one per stage, got {stage_speeds!r}")
-    if not (n_microbatches is None or n_microbatches == "auto" or str(n_microbatches).isdigit()) or str(
-        n_microbatches
-    ) == "0":
-        raise LayoutError(f"n_microbatches must be a positive integer, None or 'auto', got {n_microbatches!r}")
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-    if num_threads != "auto" and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
-        raise ValueError(f"num_threads must be a positive integer or 'auto', got {num_threads!r}")
-
-
 class MPLSTMStrategy(ParallelStrategy):
-    """Split an :class:`~lightning_mp_lstm.model.LSTMLanguageModel` into pipeline stages across processes.
+    """Split a model made of named blocks into pipeline stages across processes.
 
     ``Trainer(strategy="mp_lstm", devices=4)`` runs a 4-stage pipeline; ``data_parallel_size`` replicates
     the pipeline. Losses and gradients equal one process on the same global batch.
 
     Args:
-        pipeline_parallel_size: processes per pipeline; ``"auto"`` = world size / data_parallel_size.
+        pipeline_parallel_size: processes per pipeline; ``"auto"``: from the partition's stage count when it
+            has one (explicit lists, ``"per_block"``), else world size / ``data_parallel_size``.
         data_parallel_size: number of pipeline replicas; data is sharded across replicas only.
         data_parallel_weights: relative batch share of each replica, for unequal devices (the seed's
             ``work_load_list``); gradients stay exact because the loss divisor is the global token count.
-        stages_per_rank: pipeline stages per process (2 for interleaved and V-shaped schedules).
-        partition: block names per stage (``[["embedding", "lstm.0"], ["lstm.1", "decoder"]]``),
-            ``None`` / ``"even"`` for an even split of blocks over stages, or ``"balanced"`` for the exact
-            contiguous split minimizing the largest stage cost (see ``balance_by``).
+        stages_per_rank: pipeline stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and
+            V-shaped schedules.
         schedule: one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
             DualPipeV (case-insensitive).
-        n_microbatches: microbatches per replica batch; default: the number of stages; ``"auto"``: the
-            count with the lowest step time predicted from stage times profiled at several sizes.
-        balance_by: cost of ``partition="balanced"``: ``"time"`` (forward + backward profiled on the device,
-            once, on global rank 0), ``"flops"`` or ``"memory"``.
+        n_microbatches: microbatches per replica batch; default: the number of stages; ``"auto"``: the count
+            with the lowest step time predicted from stage times measured at every candidate size.
+        partition: ``"even"``, ``"balanced"`` (the exact contiguous split minimizing the slowest stage; see
+            ``balance_by``), ``"per_block"`` (one block per stage) or block names per stage
+            (``[["embedding", "lstm.0"], ["lstm.1", "decoder"]]``).
+        balance_by: what ``"balanced"`` balances: ``"time"`` (forward + backward measured on the devices),
+            ``"flops"`` or ``"memory"``.
         stage_speeds: relative speed of each stage's device for balancing (default: all equal).
-        report_after_steps: print the partition report again with measured stage times and step time
-            after this many training batches (``None``: never).
+        report_after_steps: log the partition report again with measured stage times and step time after this
+            many training batches (``None``: never).
         timeout: process-group timeout (seconds or ``timedelta``): a crashed rank ends the run instead of
             hanging it.
         num_threads: CPU threads per process; ``"auto"`` shares the machine's cores between the local
@@ -159,10 +91,10 @@ class MPLSTMStrategy(ParallelStrategy):
         pipeline_parallel_size: int | str = "auto",
         data_parallel_size: int = 1,
         data_parallel_weights: Sequence[float] | None = None,
-        stages_per_rank: int = 1,
-        partition: Sequence[Sequence[str]] | str | None = None,
+        stages_per_rank: int | None = None,
         schedule: str = "1F1B",
         n_microbatches: int | str | None = None,
+        partition: Sequence[Sequence[str]] | str | None = "even",
         balance_by: str = "time",
         stage_speeds: Sequence[float] | None = None,
         report_after_steps: int | None = 5,
@@ -182,68 +114,105 @@ class MPLSTMStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io if checkpoint_io is not None else ckpt.AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
-        _check_options(partition, balance_by, stage_speeds, n_microbatches, timeout, num_threads)
+        self._options = PlanOptions(
+            partition="even" if partition is None else partition,
+            balance_by=balance_by,
+            stage_speeds=tuple(stage_speeds) if stage_speeds is not None else None,
+            n_microbatches=n_microbatches,
+        )
+        _check_process_options(pipeline_parallel_size, data_parallel_size, data_parallel_weights, schedule,
+                               timeout, num_threads)
         self._pipeline_parallel_size = pipeline_parallel_size
         self._data_parallel_size = data_parallel_size
         self._data_parallel_weights = list(data_parallel_weights) if data_parallel_weights is not None else None
         self._stages_per_rank = stages_per_rank
-        self._partition_option = partition
         self._schedule = schedule
-        self._n_microbatches = n_microbatches
-        self._balance_by = balance_by
-        self._stage_speeds = list(stage_speeds) if stage_speeds is not None else None
         self._report_after_steps = report_after_steps
-        self._report: PartitionReport | None = None
-        self._batch_start_times: list[float] = []
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._num_threads = num_threads
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self._layout: ParallelLayout | None = None
         self._device_mesh: DeviceMesh | None = None
-        self._partition: list[list[str]] | None = None
+        self._plan: PipelinePlan | None = None
+        self._measurements: report.Measurements | None = None
+        self._batch_start_times: list[float] = []
         self._batch_grads: list[Tensor | None] = []
         self._peers: PeerDirectory | None = None
         self._full_state_keys: list[str] | None = None
         self._full_parameter_names: list[str] | None = None
         if pipeline_parallel_size != "auto":
-            self._make_layout(int(pipeline_parallel_size) * int(data_parallel_size))
+            self._resolve_layout(int(pipeline_parallel_size) * int(data_parallel_size))
 
-    # ----- layout ----------------------------------------------------------------------------------
-    def _make_layout(self, world_size: int) -> ParallelLayout:
-        dp = int(self._data_parallel_size)
-        if self._pipeline_parallel_size == "auto":
-            if dp < 1 or world_size % dp:
-                raise LayoutError(
-                    f"data_parallel_size={dp} does not divide the world size {world_size}; "
-                    f"allowed: {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-                )
-            pp = world_size // dp
-        else:
-            pp = int(self._pipeline_parallel_size)
-        stages = pp * int(self._stages_per_rank)
-        layout = ParallelLayout(
-            data_parallel_size=dp,
-            pipeline_parallel_size=pp,
-            stages_per_rank=int(self._stages_per_rank),
-            schedule=self._schedule,
-            n_microbatches=int(self._n_microbatches) if str(self._n_microbatches).isdigit() else stages,
-        )
-        weights = self._data_parallel_weights
-        if weights is not None and (len(weights) != dp or min(weights) <= 0):
-            raise LayoutError(
-                f"data_parallel_weights={weights} must hold one positive weight per replica "
-                f"(data_parallel_size={dp})"
+    # ----- layout and plan -------------------------------------------------------------------------
+    def _resolve_layout(self, world_size: int) -> ParallelLayout:
+        """The layout for ``world_size`` processes, resolved once: later ``validate``/``test``/``predict`` calls
+        keep what ``fit`` resolved (the ``n_microbatches`` the plan chose included)."""
+        if self._plan is not None:
+            return self._plan.layout
+        layout = self._layout
+        if layout is None or layout.world_size != world_size:
+            m = self._options.n_microbatches
+            layout = ParallelLayout.resolve(
+                world_size, self._data_parallel_size, self._pipeline_parallel_size, self._stages_per_rank,
+                self._schedule, m if isinstance(m, int) else None,
             )
-        self._layout = layout
+            weights = self._data_parallel_weights
+            if weights is not None and len(weights) != layout.data_parallel_size:
+                raise LayoutError(
+                    f"data_parallel_weights={weights} must hold one positive weight per replica "
+                    f"(data_parallel_size={layout.data_parallel_size})"
+                )
+            self._layout = layout
         return layout
+
+    def processes_for(self, model: Any) -> int | None:
+        """The number of processes this strategy needs for ``model``, when its options determine it (an explicit
+        ``pipeline_parallel_size``, or a partition with a stage count); else ``None``: the Trainer's devices."""
+        dp = int(self._data_parallel_size)
+        if self._pipeline_parallel_size != "auto":
+            return dp * int(self._pipeline_parallel_size)
+        check_model(model)
+        stages = self._options.stage_count(model.block_names)
+        if stages is None:
+            return None
+        _, style = schedule_style(self._schedule)
+        spr = self._stages_per_rank or (1 if style == "single" else 2)
+        if stages % spr:
+            raise LayoutError(f"the partition has {stages} stages, which is not a multiple of stages_per_rank={spr}")
+        return dp * (stages // spr)
 
     @property
     def layout(self) -> ParallelLayout:
-        """The validated parallel layout (available once the world size is known)."""
+        """The resolved parallel layout (available once the world size is known; after planning, with the
+        chosen number of microbatches)."""
+        if self._plan is not None:
+            return self._plan.layout
         if self._layout is None:
             raise RuntimeError("the layout is known once the processes are set up")
         return self._layout
+
+    @property
+    def plan(self) -> PipelinePlan:
+        """The pipeline plan: partition, number of microbatches, costs and predictions (after ``setup``)."""
+        if self._plan is None:
+            raise RuntimeError("the plan is made in setup()")
+        return self._plan
+
+    @property
+    def partition(self) -> list[list[str]]:
+        """Block names of every pipeline stage, in stage order (known after ``setup``)."""
+        return [list(stage) for stage in self.plan.partition]
+
+    @property
+    def measurements(self) -> report.Measurements | None:
+        """Stage and step times measured after ``report_after_steps`` training batches."""
+        return self._measurements
+
+    @property
+    def report(self) -> str:
+        """The partition report: the plan, and what was measured while it ran."""
+        return report.render(self.plan, self._measurements)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -251,13 +220,6 @@ class MPLSTMStrategy(ParallelStrategy):
         if self._device_mesh is None:
             raise RuntimeError("the device mesh exists once the process group is initialized")
         return self._device_mesh
-
-    @property
-    def partition(self) -> list[list[str]]:
-        """Block names of every pipeline stage, in stage order (known after ``setup``)."""
-        if self._partition is None:
-            raise RuntimeError("the partition is resolved in setup()")
-        return self._partition
 
     @property
     def pipeline_rank(self) -> int:
@@ -300,11 +262,22 @@ class MPLSTMStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the model must be pruned and the optimizers built before state is loaded
 
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """With ``empty_init=True`` (``trainer.init_module(empty_init=True)``) the model is built on the meta
+        device: no process allocates blocks it will not hold; ``setup`` materializes this process's blocks."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
     def _configure_launcher(self) -> None:
         # Lightning calls this when the Trainer is built: fail on a wrong process count before any launch.
         world_size = self.num_nodes * self.num_processes
         if world_size:
-            self._resolve_layout(world_size).check_world_size(world_size)
+            self._resolve_layout(world_size)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -315,18 +288,9 @@ class MPLSTMStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
-    def _resolve_layout(self, world_size: int) -> ParallelLayout:
-        """The layout for ``world_size`` processes, built once: later ``validate``/``test``/``predict`` calls
-        keep what ``fit`` resolved (``n_microbatches: auto`` included)."""
-        layout = self._layout
-        if layout is not None and (self._pipeline_parallel_size != "auto" or layout.world_size == world_size):
-            return layout
-        return self._make_layout(world_size)
-
     def setup_environment(self) -> None:
         super().setup_environment()
         layout = self._resolve_layout(self.world_size)
-        layout.check_world_size(self.world_size)
         # Everything that can be wrong is checked here, on every rank, before the first collective.
         trainer = self.lightning_module.trainer
         self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING)
@@ -342,12 +306,7 @@ class MPLSTMStrategy(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         if self._device_mesh is None:
-            self._device_mesh = init_device_mesh(
-                self.root_device.type,
-                (layout.data_parallel_size, layout.pipeline_parallel_size),
-                mesh_dim_names=("data_parallel", "pipeline_parallel"),
-                backend_override=_mesh_timeout_override(self._process_group_backend, self._timeout),
-            )
+            self._device_mesh = layout.build_mesh(self.root_device.type, self._process_group_backend, self._timeout)
         if _distributed_is_initialized() and self._peers is None:
             self._peers = PeerDirectory.gather()
 
@@ -360,21 +319,87 @@ class MPLSTMStrategy(ParallelStrategy):
             threads = int(self._num_threads)
         torch.set_num_threads(threads)
 
+    def check(self, model: Any, datamodule: Any = None, fitting: bool = True) -> None:
+        """Check that this strategy can run ``model`` on ``datamodule``'s batches, without starting anything.
+
+        Runs on every rank before the first collective (so a bad setting fails everywhere at once instead of
+        hanging the others); call it yourself to fail before any process is launched. Needs a known layout
+        (an explicit ``pipeline_parallel_size``, or a strategy already attached to a Trainer).
+
+        Raises:
+            TypeError: the model lacks part of the :class:`~lightning_mp_lstm.contract.PipelineModel` contract,
+                or planning needs the data's batch shape and the data module does not say it.
+            PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
+            LayoutError: ``n_microbatches`` does not fit the batch.
+        """
+        check_model(model)
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"precision {type(self.precision_plugin).__name__} with a gradient scaler is not supported: "
+                "the pipeline runs backward itself; use precision='32-true' or 'bf16-mixed'"
+            )
+        layout, options = self.layout, self._options
+        options.check(model.block_names, layout)
+        partition = options.fixed_partition(model.block_names, layout.num_stages)
+        if partition is not None:
+            self._check_tied_blocks(model, partition, layout)
+        if self._plan is not None:
+            return  # planned at fit: validate/test/predict keep the plan
+        measured = options.partition == "balanced" and options.balance_by == "time"
+        if measured or options.auto_microbatches:
+            check_data(datamodule, "partition='balanced' with balance_by='time'" if measured
+                       else "n_microbatches='auto'")
+        if options.auto_microbatches:
+            microbatch_candidates(layout, self._replica_rows(datamodule), options.max_microbatches)
+        elif fitting:
+            self._check_batch_size(datamodule)
+
+    def _replica_rows(self, datamodule: Any) -> int:
+        rows = getattr(datamodule, "batch_size", None) or 32
+        return max(1, int(rows) // self.layout.data_parallel_size)
+
+    def _check_batch_size(self, datamodule: Any) -> None:
+        batch_size = getattr(datamodule, "batch_size", None)
+        if not isinstance(batch_size, int) or getattr(datamodule, "max_tokens", None) or self._data_parallel_weights:
+            return  # token budgets and weighted shares vary the rows: ragged batches get rows without loss
+        dp = self.layout.data_parallel_size
+        if batch_size % dp:
+            raise LayoutError(
+                f"batch_size={batch_size} sentences must split evenly over data_parallel_size={dp} replicas"
+            )
+        self.layout.check_batch(batch_size // dp)
+
+    @staticmethod
+    def _check_tied_blocks(model: Any, partition: Sequence[Sequence[str]], layout: ParallelLayout) -> None:
+        stage_of = {name: s for s, stage in enumerate(partition) for name in stage}
+        for group in model.tied_blocks():
+            ranks = sorted({layout.rank_of_stage(stage_of[name]) for name in group})
+            if len(ranks) > 1:
+                raise PartitionError(
+                    f"blocks {', '.join(map(repr, group))} share a weight and must be on the same process, but the "
+                    f"partition puts them on stages {', '.join(str(stage_of[n]) for n in group)} (pipeline ranks "
+                    f"{ranks}); untie the weights or choose a partition / V-shaped schedule that co-locates them"
+                )
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         model = self.lightning_module
-        self._plan(model, trainer)
-        self._check_tied_weights(model)
-        layout = self.layout
-        if self._full_state_keys is None:  # the whole model, before the first pruning
+        if self._plan is None:
+            self._plan = self._make_plan(model, trainer)
+            if trainer.state.fn == TrainerFn.FITTING:
+                rank_zero_info(f"mp_lstm: {self._plan.layout}\npartition (costs by {self._plan.cost_kind}):\n"
+                               f"{self.report}")
+        plan = self._plan
+        self._check_tied_blocks(model, plan.partition, plan.layout)
+        if self._full_state_keys is None:  # the whole model, before the first pruning (meta tensors are fine)
             self._full_state_keys = list(model.state_dict())
             self._full_parameter_names = [name for name, _ in model.named_parameters()]
         mesh = self.device_mesh
         build_pipeline(
             model,
-            layout,
-            self._partition,
+            plan.layout,
+            plan.partition,
             self.pipeline_rank,
             pipeline_group=mesh["pipeline_parallel"].get_group(),
             data_parallel_group=mesh["data_parallel"].get_group(),
@@ -394,176 +419,39 @@ class MPLSTMStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def check(self, model: Any, datamodule: Any = None, fitting: bool = True) -> None:
-        """Check that this strategy can run ``model`` on ``datamodule``'s batches, without starting anything.
-
-        Runs on every rank before the first collective (so a bad setting fails everywhere at once instead of
-        hanging the others); call it yourself to fail before any process is launched. Needs a known layout
-        (an explicit ``pipeline_parallel_size``, or a strategy already attached to a Trainer).
-
-        Raises:
-            TypeError: the model is not made of named blocks.
-            PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
-            LayoutError: ``n_microbatches`` does not fit the batch.
-        """
-        if not hasattr(model, "keep_blocks") or not hasattr(model, "block_names"):
-            raise TypeError(
-                f"{type(self).__name__} splits models made of named blocks, such as "
-                f"lightning_mp_lstm.LSTMLanguageModel; got {type(model).__name__}"
-            )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                f"precision {type(self.precision_plugin).__name__} with a gradient scaler is not supported: "
-                "the pipeline runs backward itself; use precision='32-true' or 'bf16-mixed'"
-            )
-        layout, names, option = self.layout, model.block_names, self._partition_option
-        stages = layout.num_stages
-        if isinstance(option, Sequence) and not isinstance(option, str):
-            self._partition = validate_partition(option, names, stages)
-        elif stages > len(names):
-            raise PartitionError(
-                f"the layout has {stages} pipeline stages (pipeline_parallel_size={layout.pipeline_parallel_size} x "
-                f"stages_per_rank={layout.stages_per_rank}) but the model has {len(names)} blocks "
-                f"({', '.join(names)}); every stage needs a block: use at most {len(names)} stages or more layers"
-            )
-        elif option in (None, "even"):
-            self._partition = even_partition(names, stages)
-        if self._stage_speeds is not None and len(self._stage_speeds) != stages:
-            raise PartitionError(
-                f"stage_speeds has {len(self._stage_speeds)} values but the layout has {stages} stages; "
-                "give one relative speed per stage"
-            )
-        if self._partition is not None:
-            self._check_tied_weights(model)
-        if str(self._n_microbatches) == "auto" and self._report is None:
-            planner.microbatch_candidates(layout, self._profile_shape(datamodule, rows_only=True)[0])
-        elif fitting:
-            self._check_batch_size(datamodule)
-
-    def _plan(self, model: Any, trainer: pl.Trainer) -> None:
-        """Resolve the partition and ``n_microbatches: auto``, then log the partition report.
-
-        Profiling (``balanced`` by time, ``auto`` microbatches) runs once, on global rank 0; the result, or
-        the error it raised, reaches every rank. Without profiling the report's costs are analytic FLOPs.
-        """
-        if self._report is not None:
-            return  # planned at the first setup (fit); validate/test/predict reuse the plan
-        names, num_stages = model.block_names, self.layout.num_stages
-        option = self._partition_option
-        balanced = isinstance(option, str) and option.split(":")[0] == "balanced"
-        kind = (option.split(":", 1)[1] if ":" in option else self._balance_by) if balanced else "flops"
-        auto_m = str(self._n_microbatches) == "auto"
-        rows, length = self._profile_shape(trainer.datamodule)
-
-        def plan_on_rank_zero() -> dict[str, Any]:
-            plan: dict[str, Any] = {}
-            microbatch_rows = max(1, rows // self.layout.n_microbatches)
-            plan["costs"] = planner.block_costs(model, kind, microbatch_rows, length, self.root_device)
-            plan["partition"] = (
-                partition_blocks(names, plan["costs"], num_stages, self._stage_speeds) if balanced else self._partition
-            )
-            if auto_m:
-                plan["n_microbatches"], plan["predictions"] = planner.choose_n_microbatches(
-                    model, plan["partition"], self.layout, rows, length, self.root_device
-                )
-            return plan
-
-        plan = result_from(0, plan_on_rank_zero)
-        self._partition = plan["partition"]
-        if auto_m:
-            self._layout = replace(self.layout, n_microbatches=plan["n_microbatches"])
-        shape = planner.model_shape(model)
-        report = partition_report(
-            self._partition,
-            plan["costs"],
-            parameter_counts(shape),
-            memory_costs(shape, optimizer=planner.optimizer_kind(model)),
-            speeds=self._stage_speeds,
-        )
-        report.n_microbatches = self.layout.n_microbatches
-        report.microbatch_predictions = plan.get("predictions")
-        if report.microbatch_predictions:
-            report.predicted_step_seconds = report.microbatch_predictions[self.layout.n_microbatches]
-        self._report = report
-        if trainer.state.fn == TrainerFn.FITTING:
-            rank_zero_info(f"mp_lstm: {self.layout}\npartition (costs by {kind}):\n{report}")
-
-    def _profile_shape(self, datamodule: Any, rows_only: bool = False) -> tuple[int, int]:
-        """Per-replica batch rows and mean padded sentence length of the training data (defaults: 32 x 35).
-
-        The length follows the bucket mix (``mean_padded_length`` of :class:`LMDataModule`, weighted by how
-        many sentences each bucket holds); other datamodules give the plain mean of ``bucket_lengths``.
-        ``rows_only`` skips the length (it reads the data, which is not set up before ``setup``).
-        """
-        rows = getattr(datamodule, "batch_size", None) or 32
-        rows = max(1, int(rows) // self.layout.data_parallel_size)
-        if rows_only:
-            return rows, 0
-        length = getattr(datamodule, "mean_padded_length", None)
-        if length is None:
-            lengths = getattr(datamodule, "bucket_lengths", None) or [35]
-            length = sum(lengths) / len(lengths)
-        return rows, max(1, round(length))
-
-    def _check_batch_size(self, datamodule: Any) -> None:
-        batch_size = getattr(datamodule, "batch_size", None)
-        if not isinstance(batch_size, int) or getattr(datamodule, "max_tokens", None) or self._data_parallel_weights:
-            return  # token budgets and weighted shares vary the rows: ragged batches get empty padding rows
-        dp = self.layout.data_parallel_size
-        if batch_size % dp:
-            raise LayoutError(
-                f"batch_size={batch_size} sentences must split evenly over data_parallel_size={dp} replicas"
-            )
-        self.layout.check_batch(batch_size // dp)
-
-    def _check_tied_weights(self, model: Any) -> None:
-        if not getattr(model.hparams, "tie_weights", False):
-            return
-        owner = {name: s for s, stage in enumerate(self.partition) for name in stage}
-        ranks = {self._rank_of_stage(owner["embedding"]), self._rank_of_stage(owner["decoder"])}
-        if len(ranks) > 1:
-            raise PartitionError(
-                "tie_weights=True needs 'embedding' and 'decoder' on the same process, but the partition puts "
-                f"them on stages {owner['embedding']} and {owner['decoder']} (pipeline ranks {sorted(ranks)}); "
-                "untie the weights or choose a partition / V-shaped schedule that co-locates them"
-            )
-
-    def _rank_of_stage(self, stage: int) -> int:
-        return next(r for r in range(self.layout.pipeline_parallel_size) if stage in self.layout.stage_indices(r))
+    def _make_plan(self, model: Any, trainer: pl.Trainer) -> PipelinePlan:
+        datamodule = trainer.datamodule
+        length = getattr(datamodule, "mean_padded_length", None) or 35
+        rows = self._replica_rows(datamodule)
+        return make_plan(model, self.layout, self._options, rows, max(1, round(length)), self.root_device)
 
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    @property
-    def report(self) -> PartitionReport | None:
-        """The partition report: stage blocks, parameters, memory, cost shares and, once measured after
-        ``report_after_steps`` batches, measured stage-time shares and step time."""
-        return self._report
-
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._report_after_steps is None or self._report is None:
+        if self._report_after_steps is None or self._plan is None:
             return
         if len(self._batch_start_times) > self._report_after_steps:
             return
         self._batch_start_times.append(time.perf_counter())
         if len(self._batch_start_times) == self._report_after_steps + 1:
-            self._measure_stage_times(batch)
+            self._measure(batch)
 
-    def _measure_stage_times(self, batch: Any) -> None:
+    def _measure(self, batch: Any) -> None:
         """Time every stage on its own process at this batch's microbatch shape; report on rank 0."""
         model = self.lightning_module
         rows = -(-int(batch[0].shape[0]) // self.layout.n_microbatches)
-        local = everywhere(lambda: planner.stage_seconds(
-            model.pipeline.stage_modules, rows, int(batch[0].shape[1]), model.hparams.vocab_size, self.root_device
-        ))
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, local)
-        merged = {s: t for part in reversed(gathered) for s, t in part.items()}
-        self._report.measured_stage_times = [merged[s] for s in range(self.layout.num_stages)]
-        # Skip the first interval: it includes building the stages for new shapes.
-        self._report.measured_step_seconds = planner.median_interval(self._batch_start_times[1:])
-        rank_zero_info(f"mp_lstm partition after {self._report_after_steps} steps:\n{self._report}")
+        length = int(batch[0].shape[1])
+        parts = gather(lambda: profile.stage_seconds(model, model.pipeline.stage_modules, rows, length,
+                                                     self.root_device))
+        merged = {s: t for part in reversed(parts) for s, t in part.items()}
+        self._measurements = report.Measurements(
+            stage_seconds=tuple(merged[s] for s in range(self.layout.num_stages)),
+            # Skip the first interval: it includes building the stages for new shapes.
+            step_seconds=profile.median_interval(self._batch_start_times[1:]),
+        )
+        rank_zero_info(f"mp_lstm partition after {self._report_after_steps} steps:\n{self.report}")
 
     # ----- optimization ----------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -725,6 +613,26 @@ class MPLSTMStrategy(ParallelStrategy):
         # Re-register a class re-created by ``importlib.reload`` of this module, so the name never yields a stale one.
         if cls.strategy_name not in strategy_registry or strategy_registry[cls.strategy_name]["strategy"] is not cls:
             strategy_registry.register(
-                cls.strategy_name, cls, description="pipeline (x data) parallel LSTM language model training",
+                cls.strategy_name, cls, description="pipeline (x data) parallel training of block models",
                 override=True,
             )
+
+
+def _check_process_options(pipeline_parallel_size: Any, data_parallel_size: Any, weights: Any, schedule: str,
+                           timeout: Any, num_threads: Any) -> None:
+    """Reject process options that can never work, when the strategy is built (on every rank, before any process
+    group exists); checks that need the model or the world size run in ``setup_environment``."""
+    for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("data_parallel_size", data_parallel_size)):
+        if value != "auto" or name == "data_parallel_size":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                allowed = "a positive integer or 'auto'" if name == "pipeline_parallel_size" else "a positive integer"
+                raise LayoutError(f"{name} must be {allowed}, got {value!r}")
+    if weights is not None and (isinstance(weights, str) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights)):
+        raise LayoutError(f"data_parallel_weights must be positive numbers, one per replica, got {weights!r}")
+    schedule_style(schedule)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    if num_threads != "auto" and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive integer or 'auto', got {num_threads!r}")

@@ -57,7 +57,7 @@ CASES = [
     Case("layout: partition for another layout", ["layout=pp2", "partition=balanced4"],
          r"has 4 stages but the layout gives pipeline_parallel_size=2 x stages_per_rank=1 = 2", "LayoutError"),
     Case("layout: zero pipeline stages", ["layout.pipeline_parallel_size=0"],
-         r"pipeline_parallel_size must be a positive integer, got 0", "LayoutError"),
+         r"pipeline_parallel_size must be a positive integer( or 'auto')?, got 0", "LayoutError"),
     Case("layout: unknown schedule", ["layout=pp2", "schedule.name=zigzag"],
          r"unknown schedule 'zigzag'; allowed: GPipe, 1F1B, Interleaved1F1B", "LayoutError"),
     Case("layout: one-stage schedule, two stages per rank", ["layout=pp2_v2", "schedule=1f1b"],
@@ -77,8 +77,8 @@ CASES = [
     Case("layout: batch not splitting over replicas", ["layout=dp2", "data.batch_size=15"],
          r"batch_size=15 sentences must split evenly over data_parallel_size=2 replicas", "LayoutError"),
     Case("layout: tied weights on two processes", ["layout=pp2", "model.tie_weights=true"],
-         r"tie_weights=True needs 'embedding' and 'decoder' on the same process, but the partition puts them on "
-         r"stages 0 and 1", "PartitionError"),
+         r"blocks 'embedding', 'decoder' share a weight and must be on the same process, but the partition puts "
+         r"them on stages 0, 1", "PartitionError"),
     # ----- partitions
     Case("partition: a flat list", ["partition=manual", "partition.stages=[embedding,lstm.0]"],
          r"the partition is a flat list of block names \['embedding', 'lstm.0'\]; give one list of block names per "

@@ -133,11 +133,11 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     out["resumed_global_step"] = trainer.global_step
 
     # 4. ModelCheckpoint(monitor="val/loss") with a validation loss that falls, then rises (large lr).
-    model = _model(lr=0.3)
+    model = _model(lr=0.2)
     val_losses = ValLosses()
     best = ModelCheckpoint(dirpath=tmp_dir / "best", monitor="val/loss", mode="min", save_top_k=1, filename="{epoch}")
     trainer = _trainer(_pp2(), 2, max_epochs=4, callbacks=[val_losses, best])
-    trainer.fit(model, datamodule=_three_batches())
+    trainer.fit(model, datamodule=FixedBatches((5, 9, 7), validate_on_train=True))
     trainer.strategy.barrier()
     out["best"] = {"path": best.best_model_path, "score": float(best.best_model_score), "val": val_losses.values,
                    "files": sorted(os.listdir(tmp_dir / "best"))}
@@ -160,13 +160,13 @@ def run(tmp_path_factory) -> tuple[list[dict], Path]:
 
 
 def _reference_fit(
-    max_epochs: int, ckpt_path=None, lr: float = 0.01, callbacks=()
+    max_epochs: int, ckpt_path=None, lr: float = 0.01, callbacks=(), validate_on_train: bool = False
 ) -> tuple[pl.Trainer, LSTMLanguageModel]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     model = _model(lr=lr)
     trainer = _trainer("auto", 1, max_epochs=max_epochs, callbacks=callbacks)
-    trainer.fit(model, datamodule=_three_batches(), ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=FixedBatches((5, 9, 7), validate_on_train=validate_on_train), ckpt_path=ckpt_path)
     return trainer, model
 
 
@@ -277,7 +277,7 @@ def test_model_checkpoint_picks_the_same_best_checkpoint_on_every_rank(run):
     assert Path(first["path"]).name == f"epoch={best_epoch}.ckpt" and first["files"] == [f"epoch={best_epoch}.ckpt"]
     # The same epoch a single process picks, and the file holds that epoch's full model.
     reference_values = ValLosses()
-    _reference_fit(4, lr=0.3, callbacks=[reference_values])
+    _reference_fit(4, lr=0.2, callbacks=[reference_values], validate_on_train=True)
     assert values == pytest.approx(reference_values.values, rel=1e-4)
     ckpt = _load(first["path"])
     assert ckpt["epoch"] == best_epoch and sorted(ckpt["state_dict"]) == sorted(_model().state_dict())

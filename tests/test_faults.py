@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import MPLSTMStrategy, planner
+from lightning_mp_lstm import MPLSTMStrategy, profile
 from lightning_mp_lstm import checkpoint as checkpoint_module
 from lightning_mp_lstm.checkpoint import read_checkpoint
 from tests.helpers import (
@@ -60,7 +60,7 @@ def _failing_plan_worker(rank: int, world_size: int) -> dict:
         def broken(*args, **kwargs):
             raise ValueError("profiling failed on purpose")
 
-        planner.block_costs = broken
+        profile.block_seconds = broken
     strategy = MPLSTMStrategy(partition="balanced", n_microbatches=2, timeout=60, report_after_steps=None)
     trainer = quiet_trainer(strategy, world_size, max_steps=1)
     return _outcome(lambda: trainer.fit(tiny_model(), datamodule=FixedBatches()))

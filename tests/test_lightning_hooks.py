@@ -73,10 +73,10 @@ def _runs(strategy, devices: int, predict_only: bool = False) -> dict:
                         "step_grads": hooks.step_grads, "global_step": trainer.global_step,
                         "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
         # Early stopping on a validation loss that falls, then rises (large lr).
-        model = _model(optimizer="adam", lr=0.3)
+        model = _model(optimizer="adam", lr=0.2)
         stopper, val_losses = EarlyStopping(monitor="val/loss", patience=0, mode="min"), ValLosses()
         trainer = _trainer(strategy(), devices, [stopper, val_losses], max_epochs=6)
-        trainer.fit(model, datamodule=FixedBatches((5, 9, 7)))
+        trainer.fit(model, datamodule=FixedBatches((5, 9, 7), validate_on_train=True))
         out["early_stopping"] = {"epoch": trainer.current_epoch, "stopped_epoch": stopper.stopped_epoch,
                                  "should_stop": trainer.should_stop, "val": val_losses.values,
                                  "global_step": trainer.global_step}

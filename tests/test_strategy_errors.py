@@ -71,4 +71,4 @@ def test_bad_configurations_fail_in_setup_on_every_rank():
     assert "PartitionError" in too_many_stages and "4" in too_many_stages and "3" in too_many_stages
     assert "n_microbatches=3 must divide the per-replica batch of 8" in not_dividing and "[1, 2, 4, 8]" in not_dividing
     assert "n_microbatches=16" in too_large and "at most 8" in too_large
-    assert "tie_weights=True needs 'embedding' and 'decoder' on the same process" in tied
+    assert "blocks 'embedding', 'decoder' share a weight and must be on the same process" in tied

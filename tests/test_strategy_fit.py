@@ -39,12 +39,13 @@ def _fit(strategy, devices: int, optimizer: str) -> dict:
                             gradient_clip_val=0.05, num_sanity_val_steps=1)
     trainer.fit(model, datamodule=_data())
     fitted_layout = getattr(trainer.strategy, "layout", None) if devices > 1 else None
+    fingerprint = trainer.strategy.plan.fingerprint if devices > 1 else None
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     params = parameters_of(model)
     validated = trainer.validate(model, datamodule=_data(), verbose=False)
     predictions = trainer.predict(model, datamodule=_data())
     return {"metrics": metrics, "params": params, "validate": validated, "predict": predictions,
-            "steps": trainer.global_step, "fitted_layout": fitted_layout,
+            "steps": trainer.global_step, "fitted_layout": fitted_layout, "fingerprint": fingerprint,
             "layout_after_predict": getattr(trainer.strategy, "layout", None) if devices > 1 else None}
 
 
@@ -96,20 +97,23 @@ def test_fit_balanced_partition_and_auto_microbatches_equal_single_process(refer
     _compare(results, references["adam"])
     for r in results:
         m = r["fitted_layout"].n_microbatches
-        assert sorted(r["predictions"]) == [2, 4, 8]  # divisors of the 8-row batch 1F1B accepts with 2 stages
-        assert m == min(r["predictions"], key=lambda k: (r["predictions"][k], k))  # the predicted fastest
+        predictions = dict(r["predictions"])
+        assert sorted(predictions) == [2, 4, 8]  # divisors of the 8-row batch 1F1B accepts with 2 stages
+        assert m == min(predictions, key=lambda k: (predictions[k], k))  # the predicted fastest
         assert r["layout_after_predict"] == r["fitted_layout"]  # validate/predict keep the m chosen in fit
         assert r["measured"] is not None and len(r["measured"]) == 2 and min(r["measured"]) > 0
         assert r["partition"] == results[0]["partition"]  # every rank uses rank 0's plan
         assert r["predictions"] == results[0]["predictions"]
+        assert r["fingerprint"] == results[0]["fingerprint"] == r["fingerprint_after_predict"]
 
 
 def _fit_report_worker(rank: int, world_size: int, strategy_kwargs: dict, optimizer: str) -> dict:
     strategy = MPLSTMStrategy(report_after_steps=3, **strategy_kwargs)
     result = _fit(strategy, world_size, optimizer)
-    report = strategy.report
-    return {**result, "predictions": report.microbatch_predictions, "measured": report.measured_stage_times,
-            "partition": strategy.partition}
+    plan = strategy.plan
+    return {**result, "predictions": plan.predictions, "measured": strategy.measurements.stage_seconds,
+            "partition": strategy.partition, "fingerprint": result["fingerprint"],
+            "fingerprint_after_predict": plan.fingerprint}
 
 
 def test_references_see_every_batch_once_per_step(references):

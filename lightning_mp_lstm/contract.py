@@ -1,0 +1,105 @@
+"""What the ``mp_lstm`` strategy needs from a model and from its data, as ``Protocol`` s.
+
+The strategy is plumbing: it splits any model that honours :class:`PipelineModel` (a chain of named blocks)
+and never looks inside the blocks. :class:`~lightning_mp_lstm.model.LSTMLanguageModel` implements it. A model
+that lacks a member gets a ``TypeError`` naming every missing one (:func:`check_model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+__all__ = ["PipelineData", "PipelineModel", "check_data", "check_model"]
+
+
+@runtime_checkable
+class PipelineModel(Protocol):
+    """A model made of named blocks that run one after another, each mapping one tensor to one tensor."""
+
+    @property
+    def block_names(self) -> list[str]:
+        """Every block's name in model order (also after pruning)."""
+
+    def blocks(self, names: Sequence[str] | None = None) -> list[tuple[str, nn.Module]]:
+        """The blocks present on this process (optionally only ``names``), in model order."""
+
+    def keep_blocks(self, names: Sequence[str]) -> None:
+        """Delete every other block; the parameter names of the kept blocks must not change."""
+
+    def materialize_blocks(self, names: Sequence[str], device: torch.device) -> None:
+        """Give blocks built on the meta device real storage on ``device`` and their initial values.
+
+        The values must depend only on the block's name and the model's seed, never on which other blocks
+        exist, so every layout starts from the one-process model.
+        """
+
+    def build_block(self, name: str, device: torch.device) -> nn.Module:
+        """A new, initialized block ``name`` on ``device``, for timing it (its values do not matter)."""
+
+    def example_input(self, name: str, rows: int, length: int, device: torch.device) -> torch.Tensor:
+        """An input of block ``name`` for ``rows`` sequences of ``length`` steps (for profiling)."""
+
+    def example_targets(self, rows: int, length: int, device: torch.device) -> torch.Tensor:
+        """Targets for ``rows`` sequences of ``length`` steps (for timing the last block with its loss)."""
+
+    def microbatch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The *summed* loss of a microbatch (the strategy divides by :meth:`loss_weight` of the global batch)."""
+
+    def loss_weight(self, targets: torch.Tensor) -> torch.Tensor:
+        """How many items ``microbatch_loss`` sums over in ``targets`` (e.g. the real, unpadded tokens)."""
+
+    def pad_rows(self, inputs: torch.Tensor, targets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` more rows that add nothing to the loss (to split a ragged batch into equal microbatches)."""
+
+    def predictions(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The predict-step result of a batch from the last block's outputs."""
+
+    def tied_blocks(self) -> list[tuple[str, ...]]:
+        """Groups of blocks that share a weight (they must run on one process)."""
+
+    def analytic_costs(self, kind: str, rows: int, length: int) -> dict[str, float]:
+        """Per-block cost without measuring: ``"flops"`` for a batch of ``rows x length``, ``"memory"`` (bytes
+        of parameters, gradients and optimizer state) or ``"parameters"``."""
+
+
+@runtime_checkable
+class PipelineData(Protocol):
+    """What planning needs to know of the data: the shape of a training batch."""
+
+    @property
+    def batch_size(self) -> int | None:
+        """Sequences per global training batch."""
+
+    @property
+    def mean_padded_length(self) -> float:
+        """The mean length a training sequence is padded to (the bucket mix)."""
+
+
+def _missing(obj: Any, protocol: type) -> list[str]:
+    members = [name for name in protocol.__dict__ if not name.startswith("_") and name not in ("register",)]
+    return [name for name in members if not hasattr(obj, name)]
+
+
+def check_model(model: Any) -> None:
+    """Raise ``TypeError`` naming every member of :class:`PipelineModel` that ``model`` lacks."""
+    missing = _missing(model, PipelineModel)
+    if missing:
+        raise TypeError(
+            f"mp_lstm splits models made of named blocks (lightning_mp_lstm.contract.PipelineModel, implemented by "
+            f"LSTMLanguageModel); {type(model).__name__} lacks: {', '.join(missing)}"
+        )
+
+
+def check_data(datamodule: Any, why: str) -> None:
+    """Raise ``TypeError`` naming what ``datamodule`` lacks of :class:`PipelineData`, and why it is needed."""
+    missing = _missing(datamodule, PipelineData) if datamodule is not None else ["batch_size", "mean_padded_length"]
+    if missing:
+        raise TypeError(
+            f"{why} needs the data's batch shape (lightning_mp_lstm.contract.PipelineData): "
+            f"{type(datamodule).__name__} lacks {', '.join(missing)}; add them, or fix the partition and "
+            "n_microbatches"
+        )

@@ -1,0 +1,108 @@
+"""The partition report: a plan, and what was measured while it ran, as a fixed-width table.
+
+The plan (:class:`~lightning_mp_lstm.plan.PipelinePlan`) is never changed; measurements arrive separately as
+:class:`Measurements` and :func:`render` puts the two side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_mp_lstm.partition import even_partition, stage_totals
+from lightning_mp_lstm.plan import PipelinePlan
+
+__all__ = ["Measurements", "render", "stage_summary"]
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What the strategy measured after some training steps.
+
+    Attributes:
+        stage_seconds: forward + backward seconds of one microbatch, per stage (stage order).
+        step_seconds: median seconds per training step.
+    """
+
+    stage_seconds: tuple[float, ...] | None = None
+    step_seconds: float | None = None
+
+
+def _shares(values: Sequence[float]) -> list[float]:
+    total = float(sum(values))
+    return [v / total if total else 0.0 for v in values]
+
+
+def _compact(blocks: Sequence[str]) -> str:
+    """``embedding, lstm.0, lstm.1, lstm.2`` -> ``embedding, lstm.0-2`` (runs of numbered blocks)."""
+    parts: list[str] = []
+    run: list[tuple[str, int]] = []
+
+    def flush() -> None:
+        if run:
+            prefix = run[0][0]
+            parts.append(f"{prefix}{run[0][1]}" if len(run) == 1 else f"{prefix}{run[0][1]}-{run[-1][1]}")
+            run.clear()
+
+    for name in blocks:
+        prefix, _, number = name.rpartition(".")
+        if number.isdigit() and prefix:
+            if run and (run[-1][0] != prefix + "." or int(number) != run[-1][1] + 1):
+                flush()
+            run.append((prefix + ".", int(number)))
+        else:
+            flush()
+            parts.append(name)
+    flush()
+    return ", ".join(parts)
+
+
+def stage_summary(plan: PipelinePlan) -> dict[str, list[float]]:
+    """Per-stage totals of the plan: ``costs``, ``parameters``, ``memory`` (bytes) and the ``even`` split's costs."""
+    costs, names = dict(plan.block_costs), [name for name, _ in plan.block_costs]
+    even = even_partition(names, len(plan.partition))
+    return {
+        "costs": stage_totals(plan.partition, costs),
+        "parameters": stage_totals(plan.partition, dict(plan.block_parameters)),
+        "memory": stage_totals(plan.partition, dict(plan.block_memory)),
+        "even": stage_totals(even, costs),
+    }
+
+
+def render(plan: PipelinePlan, measurements: Measurements | None = None) -> str:
+    """The plan (and measurements, when given) as a table with the bottleneck against the even split."""
+    summary = stage_summary(plan)
+    speeds = plan.stage_speeds or (1.0,) * len(plan.partition)
+    measured = measurements.stage_seconds if measurements is not None else None
+    header = ["stage", "blocks", "params", "memory MiB", f"{plan.cost_kind} %"] + (["measured %"] if measured else [])
+    cost_shares = _shares(summary["costs"])
+    measured_shares = _shares(measured) if measured else None
+    rows = []
+    for s, blocks in enumerate(plan.partition):
+        row = [str(s), _compact(blocks), f"{int(summary['parameters'][s]):,}", f"{summary['memory'][s] / 2**20:.1f}",
+               f"{100 * cost_shares[s]:.1f}"]
+        if measured_shares:
+            row.append(f"{100 * measured_shares[s]:.1f}")
+        rows.append(row)
+    widths = [max(len(header[c]), *(len(r[c]) for r in rows)) for c in range(len(header))]
+
+    def fmt(row: Sequence[str]) -> str:
+        return "  ".join(cell.ljust(widths[c]) if c == 1 else cell.rjust(widths[c]) for c, cell in enumerate(row))
+
+    bottleneck = max(c / v for c, v in zip(summary["costs"], speeds))
+    even_bottleneck = max(c / v for c, v in zip(summary["even"], speeds))
+    names = [name for name, _ in plan.block_costs]
+    even = " | ".join(_compact(stage) for stage in even_partition(names, len(plan.partition)))
+    lines = [fmt(header).rstrip(), "  ".join("-" * w for w in widths), *(fmt(r).rstrip() for r in rows)]
+    lines.append(f"bottleneck cost: {bottleneck:.6g} (even split: {even_bottleneck:.6g}; {even})")
+    ratio = bottleneck / even_bottleneck if even_bottleneck else 1.0
+    lines.append(f"predicted step-time ratio vs even split: {ratio:.3f}")
+    predicted = dict(plan.predictions).get(plan.n_microbatches) if plan.predictions else None
+    if plan.predictions:
+        options = ", ".join(f"m={m}: {t * 1e3:.1f} ms" for m, t in plan.predictions)
+        lines.append(f"n_microbatches=auto chose {plan.n_microbatches} (predicted step: {options})")
+    step = measurements.step_seconds if measurements is not None else None
+    if predicted is not None or step is not None:
+        shown = ["-" if v is None else f"{v * 1e3:.1f} ms" for v in (predicted, step)]
+        lines.append(f"step time with m={plan.n_microbatches}: predicted {shown[0]}, measured {shown[1]}")
+    return "\n".join(lines)
