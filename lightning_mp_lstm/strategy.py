@@ -62,7 +62,7 @@ class MPLSTMStrategy(ParallelStrategy):
             has one (explicit lists, ``"per_block"``), else world size / ``data_parallel_size``.
         data_parallel_size: number of pipeline replicas; data is sharded across replicas only.
         data_parallel_weights: relative batch share of each replica, for unequal devices (the seed's
-            ``work_load_list``); gradients stay exact because the loss divisor is the global token count.
+            ``work_load_list``); gradients stay exact because the loss is divided by the global batch's weight.
         stages_per_rank: pipeline stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and
             V-shaped schedules.
         schedule: one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
@@ -70,13 +70,16 @@ class MPLSTMStrategy(ParallelStrategy):
         n_microbatches: microbatches per replica batch; default: the number of stages; ``"auto"``: the count
             with the lowest step time predicted from stage times measured at every candidate size.
         partition: ``"even"``, ``"balanced"`` (the exact contiguous split minimizing the slowest stage; see
-            ``balance_by``), ``"per_block"`` (one block per stage) or block names per stage
-            (``[["embedding", "lstm.0"], ["lstm.1", "decoder"]]``).
+            ``balance_by``), ``"per_block"`` (one block per stage) or one list of the model's block names per
+            stage.
         balance_by: what ``"balanced"`` balances: ``"time"`` (forward + backward measured on the devices),
             ``"flops"`` or ``"memory"``.
         stage_speeds: relative speed of each stage's device for balancing (default: all equal).
         report_after_steps: log the partition report again with measured stage times and step time after this
             many training batches (``None``: never).
+        checkpoint_format: ``"file"``: one checkpoint file, gathered on global rank 0 while saving (loads
+            anywhere, plain Lightning included); ``"sharded"``: a directory where every rank writes its own
+            tensors with ``torch.distributed.checkpoint`` (nothing is gathered; loads on any ``mp_lstm`` layout).
         timeout: process-group timeout (seconds or ``timedelta``): a crashed rank ends the run instead of
             hanging it.
         num_threads: CPU threads per process; ``"auto"`` shares the machine's cores between the local
@@ -98,6 +101,7 @@ class MPLSTMStrategy(ParallelStrategy):
         balance_by: str = "time",
         stage_speeds: Sequence[float] | None = None,
         report_after_steps: int | None = 5,
+        checkpoint_format: str = "file",
         timeout: float | timedelta = 300.0,
         num_threads: int | str = "auto",
         process_group_backend: str | None = None,
@@ -128,6 +132,9 @@ class MPLSTMStrategy(ParallelStrategy):
         self._stages_per_rank = stages_per_rank
         self._schedule = schedule
         self._report_after_steps = report_after_steps
+        if checkpoint_format not in ("file", "sharded"):
+            raise ValueError(f"unknown checkpoint_format {checkpoint_format!r}; allowed: file, sharded")
+        self._checkpoint_format = checkpoint_format
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._num_threads = num_threads
         self._process_group_backend = process_group_backend
@@ -361,7 +368,7 @@ class MPLSTMStrategy(ParallelStrategy):
     def _check_batch_size(self, datamodule: Any) -> None:
         batch_size = getattr(datamodule, "batch_size", None)
         if not isinstance(batch_size, int) or getattr(datamodule, "max_tokens", None) or self._data_parallel_weights:
-            return  # token budgets and weighted shares vary the rows: ragged batches get rows without loss
+            return  # budgets and weighted shares vary the rows: ragged batches get rows without loss
         dp = self.layout.data_parallel_size
         if batch_size % dp:
             raise LayoutError(
@@ -518,8 +525,8 @@ class MPLSTMStrategy(ParallelStrategy):
     def _reduce_data_parallel_gradients(self) -> None:
         """Sum gradients over replicas, once per optimizer step.
 
-        Each replica's loss is already divided by the global token count, so the sum is the gradient of
-        the global batch's mean loss.
+        Each replica's loss is already divided by the global batch's loss weight, so the sum is the gradient
+        of the global batch's mean loss.
         """
         if self.layout.data_parallel_size > 1:
             all_reduce_gradients(self.lightning_module.parameters(), self.device_mesh["data_parallel"].get_group())
