@@ -6,12 +6,15 @@ any other (one process included). On load, each process takes the entries of its
 Checkpoints written by Lightning's one-process strategies (optimizer state keyed by position) load too.
 
 Files are written atomically (:class:`AtomicCheckpointIO`) and read with a clear error for a damaged file
-(:func:`read_checkpoint`).
+(:func:`read_checkpoint`). The sharded format (:func:`save_sharded`, :func:`load_sharded`) is a directory in
+which every rank writes its own tensors with ``torch.distributed.checkpoint``: nothing is gathered on one rank,
+and it loads on any layout; :func:`consolidate` turns it into one ordinary file.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -25,8 +28,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
 __all__ = [
+    "SHARDED_METADATA",
     "AtomicCheckpointIO",
     "CheckpointError",
+    "consolidate",
+    "is_sharded",
+    "load_sharded",
+    "save_sharded",
     "gather_to_rank_zero",
     "load_local_optimizer_state",
     "local_model_state",
@@ -41,12 +49,13 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit the model: the message says which file or tensor."""
 
 
-def read_checkpoint(path: str | os.PathLike, load: Any = None) -> dict[str, Any]:
+def read_checkpoint(path: str | os.PathLike, load: Any = None, model_state: bool = True) -> dict[str, Any]:
     """Load a checkpoint file, with a message that names the file when it is truncated or not a checkpoint.
 
     Args:
         path: the file (local or any fsspec URL).
         load: the reader, e.g. a ``CheckpointIO``'s ``load_checkpoint``; default: Lightning's, onto the CPU.
+        model_state: require a ``state_dict`` (not for the metadata file of a sharded checkpoint).
 
     Raises:
         FileNotFoundError: there is no such file.
@@ -64,7 +73,7 @@ def read_checkpoint(path: str | os.PathLike, load: Any = None) -> dict[str, Any]
             f"({type(error).__name__}: {error or 'end of file'}); a run killed while saving leaves the previous "
             "file intact, so resume from that one"
         ) from error
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+    if not isinstance(checkpoint, dict) or (model_state and "state_dict" not in checkpoint):
         raise CheckpointError(f"{path} holds no model state ('state_dict'): it is not a Lightning checkpoint")
     return checkpoint
 
@@ -261,3 +270,128 @@ def local_model_state(
                 f"{tuple(value.shape)}: the checkpoint is of a different model size (or vocabulary)"
             )
     return {k: full_state[k] for k in own if k in full_state}
+
+
+# ----- sharded checkpoints ---------------------------------------------------------------------------------
+#: The file of a sharded checkpoint directory that holds everything but the tensors (written by global rank 0).
+SHARDED_METADATA = "lightning.pt"
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory."""
+    return Path(path).is_dir() and (Path(path) / SHARDED_METADATA).is_file()
+
+
+def _tensors(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    out = {"model": dict(checkpoint["state_dict"])}
+    for i, state in enumerate(checkpoint.get("optimizer_states", [])):
+        out[f"optimizer.{i}"] = dict(state["state"])
+    return out
+
+
+def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, param_groups: list[list[dict[str, Any]]],
+                 on_rank_zero: Any) -> None:
+    """Write ``checkpoint`` (this rank's name-keyed tensors) as a sharded checkpoint directory; every rank calls it.
+
+    Every rank writes its own tensors with ``torch.distributed.checkpoint`` (tensors replicated over data-parallel
+    replicas are written once). Global rank 0 writes the rest (epoch, loops, callbacks, the optimizers'
+    ``param_groups``, which list every parameter by name) to :data:`SHARDED_METADATA`. The directory is written
+    under a temporary name and then renamed over ``path``, so the previous checkpoint stays whole until the new
+    one is.
+
+    Args:
+        checkpoint: Lightning's checkpoint dictionary, with this rank's ``state_dict`` and name-keyed
+            ``optimizer_states``.
+        path: the directory to write.
+        param_groups: for every optimizer, its merged, name-keyed ``param_groups`` (from every rank).
+        on_rank_zero: runs a function on global rank 0 and gives its outcome (an exception too) to every rank.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    target = Path(path)
+    partial = target.parent / f".{target.name}.partial"
+
+    def prepare() -> None:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a writer that was killed
+        partial.mkdir(parents=True)
+
+    def finish() -> None:
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta["param_groups"] = param_groups
+        AtomicCheckpointIO().save_checkpoint(meta, partial / SHARDED_METADATA)
+        old = target.parent / f".{target.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(partial, target)
+        shutil.rmtree(old, ignore_errors=True)
+
+    on_rank_zero(prepare)
+    dcp.save(_tensors(checkpoint), checkpoint_id=str(partial))
+    on_rank_zero(finish)
+
+
+def load_sharded(
+    path: str | os.PathLike, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """Read a sharded checkpoint directory: everything but the tensors, and the tensors of ``model``'s parameters
+    (this process's blocks) and of their optimizer state. Returns a Lightning checkpoint dictionary with this
+    process's tensors only; every rank calls it.
+
+    Raises:
+        CheckpointError: the directory is not a complete sharded checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    directory = Path(path)
+    meta = read_checkpoint(directory / SHARDED_METADATA, model_state=False) if is_sharded(directory) else None
+    if meta is None:
+        raise CheckpointError(f"{directory} is not a sharded checkpoint: it has no {SHARDED_METADATA}")
+    try:
+        stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    except Exception as error:  # noqa: BLE001  (a damaged directory)
+        raise CheckpointError(f"sharded checkpoint {directory} cannot be read: {error}") from error
+    template: dict[str, Any] = {"model": {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()
+                                          if f"model.{k}" in stored}}
+    names = [name for name, _ in model.named_parameters()]
+    for i, _ in enumerate(optimizers):
+        prefix = f"optimizer.{i}."
+        state: dict[str, dict[str, Any]] = {}
+        for key, info in stored.items():
+            if not key.startswith(prefix) or not isinstance(info, TensorStorageMetadata):
+                continue
+            rest = key[len(prefix):]
+            name = next((n for n in names if rest.startswith(n + ".")), None)
+            if name is not None:
+                state.setdefault(name, {})[rest[len(name) + 1:]] = torch.empty(info.size, dtype=info.properties.dtype)
+        template[f"optimizer.{i}"] = state
+    dcp.load(template, checkpoint_id=str(directory))
+    checkpoint = dict(meta)
+    groups = checkpoint.pop("param_groups")
+    checkpoint["state_dict"] = template["model"]
+    checkpoint["optimizer_states"] = [{"state": template[f"optimizer.{i}"], "param_groups": groups[i]}
+                                      for i in range(len(optimizers))]
+    return checkpoint
+
+
+def consolidate(path: str | os.PathLike, output: str | os.PathLike) -> None:
+    """Turn a sharded checkpoint directory into one ordinary checkpoint file (for plain Lightning,
+    ``LSTMLanguageModel.load_from_checkpoint`` or one process); written atomically."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    directory = Path(path)
+    meta = read_checkpoint(directory / SHARDED_METADATA, model_state=False)
+    scratch = Path(output).parent / f".{Path(output).name}.tensors-{uuid.uuid4().hex[:8]}"
+    try:
+        dcp_to_torch_save(str(directory), str(scratch))
+        tensors = torch.load(scratch, map_location="cpu", weights_only=False)
+    finally:
+        scratch.unlink(missing_ok=True)
+    checkpoint = dict(meta)
+    groups = checkpoint.pop("param_groups")
+    checkpoint["state_dict"] = tensors["model"]
+    checkpoint["optimizer_states"] = [{"state": tensors.get(f"optimizer.{i}", {}), "param_groups": groups[i]}
+                                      for i in range(len(groups))]
+    AtomicCheckpointIO().save_checkpoint(checkpoint, output)
+

@@ -13,6 +13,7 @@ optimizer step, the clipping norm across stages), name-keyed checkpoints, and fa
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -569,26 +570,55 @@ class MPLSTMStrategy(ParallelStrategy):
 
     # ----- checkpoints -----------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model's state dict on global rank 0 (empty elsewhere), gathered from all stages."""
-        parts = ckpt.gather_to_rank_zero(self.lightning_module.state_dict())
+        """One file: the full model's state dict on global rank 0 (empty elsewhere), gathered from all stages.
+        Sharded: this process's own tensors (nothing is gathered)."""
+        local = self.lightning_module.state_dict()
+        if self._checkpoint_format == "sharded":
+            return local
+        parts = ckpt.gather_to_rank_zero(local)
         return {k: v for part in parts for k, v in part.items()} if parts is not None else {}
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Name-keyed optimizer state of every stage, merged on global rank 0 (empty elsewhere)."""
+        """Name-keyed optimizer state: of every stage, merged on global rank 0 (one file), or this process's
+        (sharded)."""
         inner = getattr(optimizer, "_optimizer", optimizer)
-        parts = ckpt.gather_to_rank_zero(ckpt.optimizer_state_by_name(inner, self.lightning_module))
+        local = ckpt.optimizer_state_by_name(inner, self.lightning_module)
+        if self._checkpoint_format == "sharded":
+            return local
+        parts = ckpt.gather_to_rank_zero(local)
         blocks = self.lightning_module.block_names
         return ckpt.merge_optimizer_states(parts, block_names=blocks) if parts is not None else {}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write the gathered checkpoint on global rank 0 (atomically, see
-        :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`); a failed write fails every rank."""
+        """One file: written on global rank 0, atomically (see
+        :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`). Sharded: a directory every rank writes its
+        own tensors to (:func:`~lightning_mp_lstm.checkpoint.save_sharded`). A failed write fails every rank."""
+        if self._checkpoint_format == "sharded":
+            blocks = self.lightning_module.block_names
+            names_only = [{"state": {}, "param_groups": s["param_groups"]} for s in checkpoint["optimizer_states"]]
+            every = gather(lambda: names_only)
+            groups = [ckpt.merge_optimizer_states([rank[i] for rank in every], block_names=blocks)["param_groups"]
+                      for i in range(len(names_only))]
+            ckpt.save_sharded(checkpoint, filepath, groups, on_rank_zero=lambda fn: result_from(0, fn))
+            return
         io = self.checkpoint_io
         result_from(0, lambda: io.save_checkpoint(checkpoint, filepath, storage_options=storage_options))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a checkpoint on every rank; a truncated or foreign file gets a message naming it."""
+        """Read a checkpoint on every rank (one file or a sharded directory, whichever format wrote it); a
+        truncated or foreign file gets a message naming it."""
+        if ckpt.is_sharded(checkpoint_path):
+            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+            return ckpt.load_sharded(checkpoint_path, self.lightning_module, optimizers)
         return ckpt.read_checkpoint(checkpoint_path, load=self.checkpoint_io.load_checkpoint)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint (a file or a sharded directory) on global rank 0."""
+        if self.is_global_zero:
+            if ckpt.is_sharded(filepath):
+                shutil.rmtree(filepath)
+            else:
+                self.checkpoint_io.remove_checkpoint(filepath)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module
