@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
-from lightning_mp_lstm.partition import microbatch_step_time  # noqa: E402
+from lightning_mp_lstm.plan import step_time  # noqa: E402
 from tests.helpers import run_ranks  # noqa: E402
 
 VOCAB, LENGTH = 10_000, 35
@@ -69,6 +69,7 @@ def _data(n: int, rows: int) -> DataLoader:
 
 class _Data(pl.LightningDataModule):
     bucket_lengths = [LENGTH]
+    mean_padded_length = LENGTH
 
     def __init__(self, n: int, rows: int) -> None:
         super().__init__()
@@ -94,10 +95,10 @@ def _fit_once(options: dict, rows: int, steps: int, warmup: int) -> dict:
     intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:])][warmup + 1:]
     return {
         "intervals": intervals,
-        "stage_times": strategy.report.measured_stage_times,
+        "stage_times": list(strategy.measurements.stage_seconds),
         "partition": strategy.partition,
         "m": strategy.layout.n_microbatches,
-        "predictions": strategy.report.microbatch_predictions,
+        "predictions": dict(strategy.plan.predictions) if strategy.plan.predictions else None,
     }
 
 
@@ -162,11 +163,11 @@ def main() -> None:
     print(f"  per round: {', '.join(f'{r:.3f}' for r in per_round)}")
     # What the 1F1B step model predicts from the measured stage times, and its bound: a perfect split
     # (every stage at the mean) of the slower run's work.
-    slow_step = microbatch_step_time(slower["stage_times"], m)
+    slow_step = step_time(slower["stage_times"], m)
     perfect = [statistics.mean(slower["stage_times"])] * len(slower["stage_times"])
     print(f"  predicted from measured stage times: "
-          f"{slow_step / microbatch_step_time(balanced['stage_times'], m):.3f}; "
-          f"a perfect split: {slow_step / microbatch_step_time(perfect, m):.3f}")
+          f"{slow_step / step_time(balanced['stage_times'], m):.3f}; "
+          f"a perfect split: {slow_step / step_time(perfect, m):.3f}")
     if args.no_sweep:
         return
     fixed = {k: v["steps_per_s"] for k, v in results.items() if k.startswith("balanced2") and "auto" not in k}

@@ -133,15 +133,23 @@ def _to_cpu(obj: Any) -> Any:
 def gather_to_rank_zero(local: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Gather one picklable dict per process on global rank 0 (``None`` on the other ranks).
 
-    Tensors travel on CPU, whatever the device; without a process group the list holds ``local`` only.
+    Tensors travel on CPU, whatever the device; without a process group the list holds ``local`` only. Rank 0
+    receives one rank at a time and unpickles it before the next, so it holds every rank's tensors once plus
+    one rank's serialized bytes, not all of them twice (what ``gather_object`` needs).
     """
     local = _to_cpu(local)
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [local]
-    world = dist.get_world_size()
-    out: list[Any] | None = [None] * world if dist.get_rank() == 0 else None
-    dist.gather_object(local, out, dst=0)
-    return out
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    if dist.get_rank() != 0:
+        dist.send_object_list([local], dst=0, device=device)
+        return None
+    parts = [local]
+    for source in range(1, dist.get_world_size()):
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=source, device=device)
+        parts.append(box[0])
+    return parts
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:

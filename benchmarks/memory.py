@@ -1,0 +1,105 @@
+"""Peak memory (RSS) per rank: one process, pp2 and pp4 on the seed's model with a wider hidden size.
+
+Every rank builds the model on the meta device (``trainer.init_module(empty_init=True)``) and materializes only
+its own blocks, so a pipeline rank should hold about its share of the parameters, gradients and Adam state.
+Each layout runs a few training steps on PTB (train on ``ptb.valid.txt``) with one thread per rank, then saves a
+checkpoint, reading the peak before and after; once with the one-file format (gathered on rank 0) and once, in
+fresh processes, sharded, so what each way of saving adds shows separately.
+
+Goals (issue 12): every pp4 rank <= 0.6 x the one-process peak; rank 0 <= 1.15 x the largest other rank
+(training, without the one-file save).
+
+    python benchmarks/memory.py [--hidden 1024] [--rows 8] [--steps 2] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from tests.helpers import ptb_dir, quiet_trainer, run_ranks  # noqa: E402
+
+LAYOUTS = {"1 process": 1, "pp2": 2, "pp4": 4}
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _worker(rank: int, world_size: int, args: dict, directory: str, fmt: str) -> dict:
+    warnings.filterwarnings("ignore")
+    import lightning_mp_lstm  # noqa: F401
+    from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
+    from lightning_mp_lstm.data import LMDataModule
+
+    ptb = ptb_dir()
+    data = LMDataModule(source="ptb", train=str(ptb / "ptb.valid.txt"), valid=str(ptb / "ptb.test.txt"),
+                        test=str(ptb / "ptb.test.txt"), buckets=[8, 16, 24, 32, 60], batch_size=args["rows"])
+    data.setup("fit")
+    floor = _peak_mib()
+    strategy = MPLSTMStrategy(n_microbatches=world_size, report_after_steps=None, checkpoint_format=fmt,
+                              schedule="GPipe")
+    trainer = quiet_trainer(strategy, world_size, max_steps=args["steps"], limit_val_batches=0)
+    torch.manual_seed(0)
+    with trainer.init_module(empty_init=True):
+        model = LSTMLanguageModel(data.vocab_size, embedding_dim=200, hidden_size=args["hidden"], num_layers=8,
+                                  optimizer="adam", lr=1e-3)
+    trainer.fit(model, datamodule=data)
+    training = _peak_mib()
+    trainer.save_checkpoint(Path(directory) / f"{fmt}.ckpt")
+    out = {"training": training, "saving": _peak_mib(), "params": sum(p.numel() for p in model.parameters()),
+           "blocks": [name for name, _ in model.blocks()]}
+    out["floor"] = floor
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--rows", type=int, default=8, help="sentences per global batch")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    results = {}
+    for name, world in LAYOUTS.items():
+        runs = {}
+        for fmt in ("file", "sharded"):  # the peak only ever grows: each format in fresh processes
+            with tempfile.TemporaryDirectory() as directory:
+                runs[fmt] = run_ranks(_worker, world, vars(args) | {"json": None}, directory, fmt, timeout=1200)
+        results[name] = [{**file, "file": file, "sharded": sharded} for file, sharded in zip(runs["file"],
+                                                                                               runs["sharded"])]
+    single = results["1 process"][0]["file"]["training"]
+    print(f"peak RSS per rank (MiB), mxnet_ptb with hidden {args.hidden}, PTB batch {args.rows}, {args.steps} steps, "
+          f"Adam; floor = after imports and data")
+    print("| layout | rank | blocks | parameters | floor | training | after one-file save | after sharded save |"
+          " training / 1 process |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, ranks in results.items():
+        for rank, r in enumerate(ranks):
+            blocks = ", ".join(r["blocks"]) if len(r["blocks"]) < 4 else f"{r['blocks'][0]} .. {r['blocks'][-1]}"
+            training = r["file"]["training"]
+            print(f"| {name} | {rank} | {blocks} | {r['params']:,} | {r['floor']:.0f} | {training:.0f} | "
+                  f"{r['file']['saving']:.0f} | {r['sharded']['saving']:.0f} | {training / single:.2f} |")
+    pp4 = [r["file"]["training"] for r in results["pp4"]]
+    print(f"\npp4: largest rank / 1 process = {max(pp4) / single:.2f} (goal <= 0.60); "
+          f"rank 0 / largest other rank = {pp4[0] / max(pp4[1:]):.2f} (goal <= 1.15)")
+    zero = results["pp4"][0]
+    print(f"pp4 rank 0 over its training peak: one-file save +{zero['file']['saving'] - zero['file']['training']:.0f}"
+          f" MiB (it gathers every rank's tensors), sharded save "
+          f"+{zero['sharded']['saving'] - zero['sharded']['training']:.0f} MiB")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
