@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_mp_lstm.layout import ParallelLayout
+from lightning_mp_lstm.timeline import RECORDER
 
 __all__ = ["PipelineRunner", "StageModule", "StageRandomness", "all_reduce_gradients", "build_pipeline"]
 
@@ -158,6 +159,34 @@ class _Stage(PipelineStage):
         finally:
             self.submod.inferring_shapes = False
 
+    # The timeline (lightning_mp_lstm.timeline): spans of computation, tags on the point-to-point operations.
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with RECORDER.span("forward", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
+        kind = "backward" if full_backward else "backward_input"
+        with RECORDER.span(kind, self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with RECORDER.span("backward_weight", self.stage_index, bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> Any:
+        return RECORDER.tag(super().get_fwd_recv_ops(fwd_chunk_id), "recv", "forward", self.stage_index, fwd_chunk_id)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> Any:
+        return RECORDER.tag(super().get_fwd_send_ops(fwd_chunk_id), "send", "forward", self.stage_index, fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> Any:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        return RECORDER.tag(ops, "recv", "backward", self.stage_index, bwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> Any:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        return RECORDER.tag(ops, "send", "backward", self.stage_index, bwd_chunk_id)
+
 
 class PipelineRunner:
     """Runs training, evaluation and prediction batches through this process's pipeline stages.
@@ -192,6 +221,8 @@ class PipelineRunner:
         self.accumulate_grad_batches = accumulate_grad_batches
         self._schedules: dict[tuple[int, int, str], Any] = {}
         self._divisor = torch.ones((), device=device)
+        #: The global loss weight (real tokens) of the last batch run.
+        self.last_tokens: torch.Tensor | None = None
         last = layout.num_stages - 1
         self.has_first_stage = 0 in stage_modules
         self.has_last_stage = last in stage_modules
@@ -210,6 +241,7 @@ class PipelineRunner:
             for module in self.stage_modules.values():
                 module.reset_finite_checks()
         n_tokens = self._all_reduce_dp(self.model.loss_weight(targets))
+        self.last_tokens = n_tokens
         scale = self.accumulate_grad_batches() if train else 1
         self._divisor = (n_tokens * scale).clamp(min=1).to(torch.float32)
         losses: list[torch.Tensor] = []
@@ -303,11 +335,15 @@ class PipelineRunner:
 
     def _run_local(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
+        (stage,) = self.stage_modules
         with torch.set_grad_enabled(train):
-            for x, y in zip(inputs.chunk(self.layout.n_microbatches), targets.chunk(self.layout.n_microbatches)):
-                loss = self._loss_fn(self._local_forward(x), y)
+            chunks = zip(inputs.chunk(self.layout.n_microbatches), targets.chunk(self.layout.n_microbatches))
+            for i, (x, y) in enumerate(chunks):
+                with RECORDER.span("forward", stage, i):
+                    loss = self._loss_fn(self._local_forward(x), y)
                 if train:
-                    loss.backward()
+                    with RECORDER.span("backward", stage, i):
+                        loss.backward()
                 total = total + loss.detach()
         return total
 

@@ -1,0 +1,106 @@
+"""The measured timeline: spans of every stage's forward, backward, sends and receives on a tiny pp2 run, the
+picture (one row per stage) and the Chrome trace (positive durations, busy below wall, paired flows)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
+from lightning_mp_lstm import MPLSTMStrategy
+from lightning_mp_lstm.timeline import COMPUTE, PipelineTimeline, StepRecord, chrome_trace, draw
+from tests.helpers import FixedBatches, quiet_trainer, run_ranks, tiny_model
+
+
+class _Metrics(list):
+    """A logger stand-in that keeps what the callback logs."""
+
+
+def _worker(rank: int, world_size: int, directory: str, strategy_kwargs: dict) -> dict:
+    warnings.filterwarnings("ignore")
+    timeline = PipelineTimeline(steps=(1, 2), directory=directory)
+    strategy = MPLSTMStrategy(report_after_steps=None, timeout=60, **strategy_kwargs)
+    trainer = quiet_trainer(strategy, world_size, [timeline], max_steps=4)
+    trainer.fit(tiny_model(), datamodule=FixedBatches())
+    return {"records": timeline.records_as_dicts(), "paths": {k: str(v) for k, v in timeline.paths.items()},
+            "metrics": timeline.metrics}
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> tuple[list[dict], Path]:
+    directory = tmp_path_factory.mktemp("timeline")
+    return run_ranks(_worker, 2, str(directory), dict(n_microbatches=2), timeout=150), directory
+
+
+@pytest.mark.timeout(200)
+def test_every_microbatch_of_every_stage_is_recorded(pp2):
+    results, _ = pp2
+    assert results[0]["records"] == results[1]["records"]  # every rank gathered the same spans
+    records = [StepRecord.from_dict(r) for r in results[0]["records"]]
+    assert [r.step for r in records] == [1, 2]
+    for record in records:
+        compute = sorted((s.stage, s.kind, s.microbatch) for s in record.spans if s.kind in COMPUTE)
+        assert compute == sorted((stage, kind, mb) for stage in (0, 1) for kind in ("forward", "backward")
+                                 for mb in (0, 1))
+        assert {(s.stage, s.rank) for s in record.spans if s.kind in COMPUTE} == {(0, 0), (1, 1)}
+        # Activations go 0 -> 1 and gradients 1 -> 0, one transfer per microbatch each way.
+        sends = sorted((s.direction, s.stage, s.microbatch) for s in record.spans if s.kind == "send")
+        assert sends == [("backward", 1, 0), ("backward", 1, 1), ("forward", 0, 0), ("forward", 0, 1)]
+        for span in record.spans:
+            assert 0 <= span.start < span.end <= record.wall + 1e-3, span
+        busy = record.busy_per_rank()
+        assert set(busy) == {0, 1} and all(0 < t < record.wall for t in busy.values())
+        assert 0 < record.bubble() < 1 and record.tokens > 0
+
+
+@pytest.mark.timeout(200)
+def test_metrics_are_logged_next_to_the_predicted_bubble(pp2):
+    metrics = pp2[0][0]["metrics"]
+    assert metrics["timeline/bubble_predicted"] == pytest.approx(1 / 3)  # 1F1B, 2 ranks, 2 microbatches
+    assert 0 < metrics["timeline/bubble_measured"] < 1
+    assert metrics["timeline/busy_s/stage_0"] > 0 and metrics["timeline/busy_s/stage_1"] > 0
+    assert metrics["timeline/tokens_per_s"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_the_chrome_trace_parses_with_positive_spans_and_paired_flows(pp2):
+    results, directory = pp2
+    trace = json.loads(Path(results[0]["paths"]["trace"]).read_text())
+    assert Path(results[0]["paths"]["trace"]).parent == directory and results[1]["paths"] == {}  # rank 0 writes
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert slices and all(e["dur"] > 0 for e in slices)
+    assert {e["pid"] for e in slices} == {0, 1}  # one process row per rank
+    starts = sorted(e["id"] for e in trace["traceEvents"] if e["ph"] == "s")
+    finishes = sorted(e["id"] for e in trace["traceEvents"] if e["ph"] == "f")
+    assert starts and starts == finishes  # every send arrow ends at its receive
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"rank 0", "rank 1"}
+
+
+@pytest.mark.timeout(200)
+def test_the_picture_has_one_row_per_stage(pp2, tmp_path):
+    results, _ = pp2
+    png = Path(results[0]["paths"]["png"])
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 500
+    figure = draw(StepRecord.from_dict(results[0]["records"][-1]), tmp_path / "again.png")
+    labels = [t.get_text() for t in figure.axes[0].get_yticklabels()]
+    assert labels == ["stage 0 (rank 0)", "stage 1 (rank 1)"]
+    assert chrome_trace([StepRecord.from_dict(results[0]["records"][-1])])["traceEvents"]
+
+
+@pytest.mark.timeout(100)
+def test_without_pipeline_stages_the_step_is_one_span(tmp_path):
+    timeline = PipelineTimeline(steps=(1,), directory=tmp_path)
+    trainer = quiet_trainer("auto", 1, [timeline], max_steps=2)
+    torch.set_num_threads(1)
+    trainer.fit(tiny_model(), datamodule=FixedBatches())
+    (record,) = timeline.records
+    assert [s.kind for s in record.spans] == ["compute"] and record.bubble() == pytest.approx(0, abs=1e-6)
+    assert timeline.paths["png"].is_file() and timeline.paths["trace"].is_file()
