@@ -1,0 +1,62 @@
+"""Layout advice: predicted step times of every way to use the devices, from block times and a calibration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_mp_lstm import advice
+from lightning_mp_lstm.advice import Calibration, advise, calibrate, render
+from lightning_mp_lstm.plan import step_time
+from tests.helpers import tiny_model
+
+CPU = torch.device("cpu")
+
+
+def _fake_times(monkeypatch, per_row: dict[str, float]) -> None:
+    """Every block costs ``per_row[block] * rows`` seconds on one thread."""
+    monkeypatch.setattr(advice.profile, "block_seconds",
+                        lambda model, names, rows, *args, **kwargs: {n: per_row[n] * rows for n in names})
+
+
+def test_predictions_follow_the_step_model_and_the_calibration(monkeypatch):
+    per_row = {"embedding": 0.001, "lstm.0": 0.004, "lstm.1": 0.004, "decoder": 0.003}
+    _fake_times(monkeypatch, per_row)
+    model = tiny_model(num_layers=2)
+    calibration = Calibration(thread_speedup=((1, 1.0), (2, 1.5)), bandwidth=float("inf"))
+    candidates = advise(model, devices=2, batch_rows=16, length=10, device=CPU, calibration=calibration, cores=2)
+    by_name = {c.name.split(",")[0]: c for c in candidates}
+    one = by_name["1 process (2 threads)"]
+    assert one.predicted_seconds == pytest.approx(sum(per_row.values()) * 16 / 1.5)
+    assert by_name["dp2"].predicted_seconds == pytest.approx(sum(per_row.values()) * 8)  # 1 thread each, free comm
+    pp2 = by_name["pp2 balanced"]
+    rows = 16 // pp2.n_microbatches
+    per_rank = [sum(per_row[b] * rows for b in stage) for stage in pp2.partition]
+    assert pp2.predicted_seconds == pytest.approx(step_time(per_rank, pp2.n_microbatches))
+    assert candidates == sorted(candidates, key=lambda c: c.predicted_seconds)
+    assert render(candidates).splitlines()[-1] == f"expected fastest: {candidates[0].name}"
+
+
+def test_a_perfect_thread_speedup_favours_one_process_and_none_favours_splitting(monkeypatch):
+    _fake_times(monkeypatch, {"embedding": 0.001, "lstm.0": 0.004, "lstm.1": 0.004, "decoder": 0.003})
+    model = tiny_model(num_layers=2)
+    perfect = Calibration(((1, 1.0), (2, 2.0)), float("inf"))
+    none = Calibration(((1, 1.0), (2, 1.0)), float("inf"))
+    assert advise(model, 2, 16, 10, CPU, perfect, cores=2)[0].name == "1 process (2 threads)"
+    assert advise(model, 2, 16, 10, CPU, none, cores=2)[0].name in ("dp2", "pp2 balanced, m=16")
+
+
+def test_slow_links_make_data_parallelism_pay_for_its_gradients(monkeypatch):
+    _fake_times(monkeypatch, {"embedding": 0.001, "lstm.0": 0.004, "lstm.1": 0.004, "decoder": 0.003})
+    model = tiny_model(num_layers=2)
+    fast = {c.name: c.predicted_seconds for c in advise(model, 2, 16, 10, CPU, Calibration(((1, 1.0),), 1e12))}
+    slow = {c.name: c.predicted_seconds for c in advise(model, 2, 16, 10, CPU, Calibration(((1, 1.0),), 1e3))}
+    parameters = sum(p.numel() for p in model.parameters())
+    assert slow["dp2"] - fast["dp2"] == pytest.approx(4 * parameters / 1e3, rel=1e-6)  # one all-reduce
+
+
+def test_calibration_measures_a_speedup_for_every_thread_count():
+    model = tiny_model(num_layers=1, hidden_size=32)
+    calibration = calibrate(model, rows=4, length=8, device=CPU, threads=(1, 2), bandwidth=1e9)
+    assert dict(calibration.thread_speedup)[1] == pytest.approx(1.0) and dict(calibration.thread_speedup)[2] > 0
+    assert calibration.bandwidth == 1e9 and calibration.speedup(3) == dict(calibration.thread_speedup)[2]
