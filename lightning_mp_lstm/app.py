@@ -1,128 +1,30 @@
-"""The Hydra application behind ``train.py``: compose data, model, layout and trainer, then fit.
+"""The Hydra application behind ``train.py``, shaped like lightning-hydra-template: the config decides, ``train``
+instantiates the data module, strategy, model, callbacks, logger and trainer from it, checks, then fits.
 
 ``train(cfg)`` is a plain function so tests and notebooks can call it with a composed config.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 from hydra.errors import InstantiationException
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
-from omegaconf import DictConfig, OmegaConf
+from lightning.pytorch.callbacks import Callback, ProgressBar
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig
 
 from lightning_mp_lstm.checkpoint import local_model_state, read_checkpoint
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.layout import LayoutError
 from lightning_mp_lstm.model import perplexity
-from lightning_mp_lstm.strategy import MPLSTMStrategy
 
-__all__ = ["ResolvedLayout", "check_resume", "resolve_layout", "train"]
-
-
-@dataclass(frozen=True)
-class ResolvedLayout:
-    """Process layout decided from the ``layout``, ``partition``, ``schedule`` and ``trainer`` groups."""
-
-    data_parallel_size: int
-    pipeline_parallel_size: int
-    stages_per_rank: int
-
-    @property
-    def devices(self) -> int:
-        return self.data_parallel_size * self.pipeline_parallel_size
-
-
-def _partition_stage_count(cfg: DictConfig) -> int | None:
-    stages = cfg.partition.stages
-    if cfg.partition.get("num_stages"):
-        return int(cfg.partition.num_stages)
-    if stages == "per_layer":
-        return int(cfg.model.num_layers) + 2
-    if OmegaConf.is_list(stages):
-        return len(stages)
-    return None
-
-
-def resolve_layout(cfg: DictConfig) -> ResolvedLayout:
-    """Decide data-parallel size, pipeline size and stages per process from a composed config.
-
-    The layout group wins where it is explicit; otherwise the pipeline size follows the partition's
-    stage count, else ``trainer.devices`` (data parallelism fills what the pipeline leaves). Conflicts
-    are errors that name every value involved.
-
-    Raises:
-        LayoutError: the groups ask for different numbers of stages or processes.
-    """
-    layout, trainer = cfg.layout, cfg.trainer
-    spr = int(layout.stages_per_rank or cfg.schedule.get("stages_per_rank") or 1)
-    stages = _partition_stage_count(cfg)
-    devices = trainer.get("devices")
-    devices = int(devices) if isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()) else None
-    num_nodes = int(trainer.get("num_nodes") or 1)
-    if devices is not None:
-        devices *= num_nodes  # trainer.devices counts processes per node
-    dp = layout.data_parallel_size
-    pp = layout.pipeline_parallel_size
-    if pp is None:
-        if stages is not None:
-            if stages % spr:
-                raise LayoutError(
-                    f"partition has {stages} stages, which is not a multiple of stages_per_rank={spr}"
-                )
-            pp = stages // spr
-        elif devices is not None:
-            pp = devices // int(dp or 1)
-        else:
-            pp = 1
-    pp = int(pp)
-    if dp is None:
-        dp = devices // pp if devices is not None and devices % pp == 0 else 1
-    dp = int(dp)
-    if stages is not None and stages != pp * spr:
-        raise LayoutError(
-            f"partition {cfg.partition.get('stages')!r} has {stages} stages but the layout gives "
-            f"pipeline_parallel_size={pp} x stages_per_rank={spr} = {pp * spr}; pick a matching layout or partition"
-        )
-    if devices is not None and devices != dp * pp:
-        raise LayoutError(
-            f"trainer.devices x trainer.num_nodes = {devices} processes but the layout needs "
-            f"data_parallel_size={dp} x pipeline_parallel_size={pp} = {dp * pp} processes"
-        )
-    if (dp * pp) % num_nodes:
-        raise LayoutError(f"{dp * pp} processes cannot be spread evenly over trainer.num_nodes={num_nodes}")
-    return ResolvedLayout(dp, pp, spr)
-
-
-def _partition_option(cfg: DictConfig) -> Any:
-    stages = cfg.partition.stages
-    if stages == "per_layer":
-        return "per_block"
-    if OmegaConf.is_list(stages):
-        return OmegaConf.to_container(stages)  # as given: the strategy names what is wrong with it
-    return stages
-
-
-def _strategy(cfg: DictConfig, resolved: ResolvedLayout) -> Any:
-    if resolved.devices == 1 and cfg.partition.stages in ("even", None):
-        return "auto"
-    # The strategy validates the layout and schedule here, before any process starts.
-    return MPLSTMStrategy(
-        pipeline_parallel_size=resolved.pipeline_parallel_size,
-        data_parallel_size=resolved.data_parallel_size,
-        stages_per_rank=resolved.stages_per_rank,
-        partition=_partition_option(cfg),
-        balance_by=cfg.partition.balance_by or "time",
-        schedule=cfg.schedule.name,
-        n_microbatches=cfg.schedule.n_microbatches,
-    )
+__all__ = ["build_model", "build_strategy", "build_trainer", "check_resume", "format_summary", "instantiate_callbacks",
+           "instantiate_loggers", "train", "trainer_devices"]
 
 
 def _build(node: DictConfig, group: str, **kwargs: Any) -> Any:
@@ -143,7 +45,8 @@ def _build(node: DictConfig, group: str, **kwargs: Any) -> Any:
 
 def check_resume(path: str, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
     """Check that the checkpoint at ``path`` can resume ``model`` on ``datamodule``: readable, every tensor of
-    the model's shape, and (for :class:`LMDataModule`) the vocabulary the data was built with.
+    the model's shape, and (for :class:`LMDataModule`) the vocabulary the data was built with. It reads only the
+    names and shapes of ``model.state_dict()``, so a model still on the meta device will do.
 
     Raises:
         FileNotFoundError: no such file.
@@ -165,8 +68,84 @@ def check_resume(path: str, model: pl.LightningModule, datamodule: pl.LightningD
     local_model_state(model, saved["state_dict"], strict=model.strict_loading, full_keys=own.keys())
 
 
+def _instantiate_group(node: DictConfig | None, group: str) -> list[Any]:
+    """Every entry of a group of named objects (``callbacks``, ``logger``) that has a ``_target_``, in order."""
+    if not node:
+        return []
+    return [_build(entry, f"{group}.{name}") for name, entry in node.items()
+            if isinstance(entry, DictConfig) and "_target_" in entry]
+
+
+def instantiate_callbacks(callbacks: DictConfig | None, trainer: DictConfig | None = None) -> list[Callback]:
+    """The callbacks of the ``callbacks`` group (one entry per callback, each with a ``_target_``).
+
+    A progress bar is left out when ``trainer.enable_progress_bar`` is false (``trainer=ci``): Lightning refuses
+    a progress bar callback then, and the setting means no progress bar.
+    """
+    built = _instantiate_group(callbacks, "callbacks")
+    if trainer is not None and trainer.get("enable_progress_bar") is False:
+        built = [c for c in built if not isinstance(c, ProgressBar)]
+    return built
+
+
+def instantiate_loggers(logger: DictConfig | None) -> list[Logger]:
+    """The loggers of the ``logger`` group (one entry per logger, each with a ``_target_``)."""
+    return _instantiate_group(logger, "logger")
+
+
+def build_strategy(cfg: DictConfig) -> Any:
+    """The strategy of ``cfg.strategy``; it checks its options here (an error names the ``strategy`` group)."""
+    return _build(cfg.strategy, "strategy")
+
+
+def build_model(cfg: DictConfig, strategy: Any, vocab_size: int) -> pl.LightningModule:
+    """The model of ``cfg.model``, built inside ``strategy.tensor_init_context(empty_init=True)``: on the meta
+    device, so that no process allocates blocks it will not hold (the strategy materializes its own in
+    ``setup``)."""
+    with strategy.tensor_init_context(empty_init=True):
+        return _build(cfg.model, "model", vocab_size=vocab_size)
+
+
+def trainer_devices(cfg: DictConfig, strategy: Any, model: Any) -> Any:
+    """``devices`` for the Trainer: ``trainer.devices`` when set (the strategy checks it when the Trainer is built),
+    else what ``strategy.processes_for(model)`` needs, per node (divided by ``trainer.num_nodes``), else 1.
+
+    Raises:
+        LayoutError: the processes the strategy needs do not spread evenly over the nodes.
+    """
+    devices = cfg.trainer.get("devices")
+    if devices is not None:
+        return devices
+    needed = strategy.processes_for(model)
+    if needed is None:
+        return 1
+    num_nodes = int(cfg.trainer.get("num_nodes") or 1)
+    if needed % num_nodes:
+        raise LayoutError(f"the layout needs {needed} processes, which cannot be spread evenly over "
+                          f"trainer.num_nodes={num_nodes} nodes")
+    return needed // num_nodes
+
+
+def build_trainer(cfg: DictConfig, strategy: Any, model: Any) -> pl.Trainer:
+    """The Trainer of ``cfg.trainer``, with ``strategy``, the callbacks and loggers of the config, and
+    :func:`trainer_devices` processes per node. Building it resolves the strategy's layout (and checks a
+    ``trainer.devices`` that disagrees with it); nothing is launched."""
+    return _build(
+        cfg.trainer, "trainer", devices=trainer_devices(cfg, strategy, model), strategy=strategy,
+        callbacks=instantiate_callbacks(cfg.get("callbacks"), cfg.trainer),
+        logger=instantiate_loggers(cfg.get("logger")) or False,
+    )
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train (and evaluate) the configured model; return the summary numbers.
+
+    Instantiates the strategy, the data module (set up for fitting: the vocabulary sizes the model), the model
+    (on the meta device, inside the strategy's init context), the callbacks, the loggers and the Trainer (which
+    resolves the layout; nothing is launched yet); then checks, before any process starts, the data's batches for
+    the layout's replicas, that the strategy can run the model on them, and that ``ckpt_path`` fits; then fits,
+    validates and tests, prints the summary table on global rank 0, and ends the job's processes
+    (``strategy.shutdown()``) whatever happened.
 
     Args:
         cfg: a config composed from ``conf/train.yaml``.
@@ -178,35 +157,34 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Every rank holds the same global loss and metrics, so Lightning's advice to all-reduce them is moot.
     warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    resolved = resolve_layout(cfg)
-    strategy = _strategy(cfg, resolved)
-    datamodule = _build(cfg.data, "data")
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    model = _build(cfg.model, "model", vocab_size=datamodule.vocab_size)
-    # Fail here, before any process starts, on what the ranks would otherwise each find after launching.
-    if isinstance(strategy, MPLSTMStrategy):
-        strategy.check(model, datamodule)
-    if cfg.ckpt_path:
-        check_resume(cfg.ckpt_path, model, datamodule)
-    run_dir = Path(cfg.checkpoint_dir).parent
-    checkpoint = ModelCheckpoint(dirpath=cfg.checkpoint_dir, monitor="val/loss", save_last=True, filename="best")
-    trainer: pl.Trainer = hydra.utils.instantiate(
-        cfg.trainer,
-        devices=resolved.devices // int(cfg.trainer.get("num_nodes") or 1),
-        strategy=strategy,
-        callbacks=[checkpoint],
-        logger=CSVLogger(str(run_dir), name="logs", version=""),
-    )
+    strategy = build_strategy(cfg)
     try:
+        datamodule = _build(cfg.data, "data")
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        model = build_model(cfg, strategy, datamodule.vocab_size)
+        trainer = build_trainer(cfg, strategy, model)
+        # Fail here, before any process starts, on what the ranks would otherwise each find after launching: the
+        # data module's batch samplers for the strategy's replicas (batch size, token budget, sentences per
+        # replica; attached to the Trainer as fit() attaches it, its setup builds and checks them), whether the
+        # strategy can run the model on these batches, and whether the checkpoint fits.
+        datamodule.trainer = trainer
+        datamodule.setup("fit")
+        strategy.check(model, datamodule)
+        if cfg.ckpt_path:
+            check_resume(cfg.ckpt_path, model, datamodule)
         started = time.perf_counter()
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         fit_seconds = time.perf_counter() - started
+        checkpoint = trainer.checkpoint_callback
+        saved = (checkpoint.best_model_path or checkpoint.last_model_path) if checkpoint is not None else None
+        log_dir = trainer.logger.log_dir if trainer.logger is not None else None
         summary: dict[str, Any] = {
             "fit_seconds": fit_seconds,
             "tokens_per_s": float(trainer.callback_metrics.get("train/tokens_per_s_epoch", float("nan"))),
-            "checkpoint": checkpoint.best_model_path or checkpoint.last_model_path,
-            "logs": str(Path(trainer.logger.log_dir)) if trainer.logger else None,
+            # normpath: the loggers' directory is given as <checkpoint_dir>/.. (the run directory)
+            "checkpoint": os.path.normpath(saved) if saved else None,
+            "logs": os.path.normpath(log_dir) if log_dir else None,
             "entropy_floor_ppl": getattr(datamodule, "entropy_floor", None),
             "unigram_ppl": getattr(datamodule, "unigram_perplexity", None),
         }
@@ -217,8 +195,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 summary[f"{split}_loss"] = loss
                 summary[f"{split}_ppl"] = perplexity(loss)
     finally:
-        if isinstance(strategy, MPLSTMStrategy):
-            strategy.shutdown()  # end this job's processes: the next job of a multirun starts its own
+        strategy.shutdown()  # end this job's processes: the next job of a multirun starts its own
     if trainer.is_global_zero:
         print(format_summary(summary))
     return summary

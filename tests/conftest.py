@@ -33,3 +33,46 @@ def compose_train(tmp_path: Path) -> Callable[..., DictConfig]:
             return compose(config_name="train", overrides=[f"checkpoint_dir={tmp_path}/checkpoints", *overrides])
 
     return _compose
+
+
+#: Tests that left an in-process launch behind (cleaned up after them; listed at the end of the run).
+_LEFT_BEHIND: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_launched_job_left_behind(request: pytest.FixtureRequest):
+    """Clean up after a test that leaves an in-process launch behind (a one-process ``mp_lstm`` Trainer fitted
+    without ``strategy.shutdown()``): the default process group, and ``MASTER_ADDR``/``MASTER_PORT``/
+    ``LOCAL_RANK``/... in the environment, which every later ``python train.py`` subprocess would inherit (it then
+    binds the stale port, EADDRINUSE, or takes itself for an externally launched rank). The test is named at the
+    end of the run."""
+    import os
+
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from lightning_mp_lstm.launcher import LAUNCH_ENV
+
+    before = {key: os.environ.get(key) for key in LAUNCH_ENV}
+    threads, rank = torch.get_num_threads(), rank_zero_only.rank
+    yield
+    changed = [key for key in LAUNCH_ENV if os.environ.get(key) != before[key]]
+    group = dist.is_available() and dist.is_initialized()
+    if group:
+        dist.destroy_process_group()
+    for key in changed:
+        if before[key] is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before[key]
+    torch.set_num_threads(threads)
+    rank_zero_only.rank = rank
+    if group or changed:
+        _LEFT_BEHIND.append(f"{request.node.nodeid}: {'a process group, ' if group else ''}{', '.join(changed)}")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _LEFT_BEHIND:
+        terminalreporter.section("tests that left an in-process launch behind (cleaned up)")
+        for line in _LEFT_BEHIND:
+            terminalreporter.write_line(f"{line}: call strategy.shutdown() after an in-process fit")

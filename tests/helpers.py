@@ -287,3 +287,43 @@ def run_command_and_leftovers(args: list[str], timeout: float, **env: str) -> tu
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(args, proc.returncode, out, None), leftovers
+
+
+# ----- what a run left where -------------------------------------------------------------------------------
+class RecordBlockDevices(pl.Callback):
+    """Records on which devices each block's parameters are when the Trainer sets up (before the strategy's
+    ``setup``) and when training starts, with the strategy's root device, and writes them as JSON to ``path``
+    (one file per global rank: ``<stem>.rank<r>.json`` beside ``path``) at the end of ``fit``.
+
+    Add it to a ``train.py`` run from the command line::
+
+        +callbacks.devices._target_=tests.helpers.RecordBlockDevices +callbacks.devices.path=<file>
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.seen: dict[str, Any] = {}
+
+    @staticmethod
+    def _blocks(pl_module: pl.LightningModule) -> dict[str, list[str]]:
+        blocks: dict[str, set[str]] = {}
+        for name, param in pl_module.named_parameters():
+            block = next((b for b in getattr(pl_module, "block_names", []) if name.startswith(f"{b}.")), name)
+            blocks.setdefault(block, set()).add(str(param.device))
+        return {block: sorted(devices) for block, devices in blocks.items()}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.seen.setdefault("setup", self._blocks(pl_module))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seen["train_start"] = self._blocks(pl_module)
+        self.seen["root_device"] = str(trainer.strategy.root_device)
+        self.seen["strategy"] = type(trainer.strategy).__name__
+        self.seen["world_size"] = trainer.world_size
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import json  # (appended helper: its own import)
+
+        self.seen["fit_end"] = self._blocks(pl_module)
+        target = self.path.with_name(f"{self.path.stem}.rank{trainer.global_rank}.json")
+        target.write_text(json.dumps(self.seen, indent=1, sort_keys=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -12,7 +13,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from lightning_mp_lstm.app import train
+from lightning_mp_lstm.app import format_summary, train
 from tests.helpers import ROOT, SMALL_SYNTHETIC, TINY_RUN, free_port, run_command, start_command
 
 TINY = [*TINY_RUN, *SMALL_SYNTHETIC]
@@ -36,6 +37,37 @@ def test_train_on_the_synthetic_default(tmp_path):
     checkpoint = torch.load(summary["checkpoint"], weights_only=False)
     assert "embedding.weight" in checkpoint["state_dict"]
     assert checkpoint["LMDataModule"]["vocab"]["tokens"][:3] == ["<pad>", "<unk>", "<eos>"]
+
+
+@pytest.mark.timeout(120)
+def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_table(tmp_path, capsys):
+    """The default `python train.py` (layout=auto, one process) runs through the same strategy as every layout:
+    the model is built on the meta device, the strategy materializes every block on its device, and the run
+    ends with the usual closing table."""
+    torch.set_num_threads(1)
+    record = tmp_path / "devices.json"
+    cfg = _compose(tmp_path, *TINY, "+callbacks.devices._target_=tests.helpers.RecordBlockDevices",
+                   f"+callbacks.devices.path={record}")
+    summary = train(cfg)
+    seen = json.loads((tmp_path / "devices.rank0.json").read_text())
+    blocks = ["embedding", "lstm.0", "lstm.1", "decoder"]
+    assert seen["strategy"] == "MPLSTMStrategy" and seen["world_size"] == 1
+    assert seen["setup"] == {block: ["meta"] for block in blocks}  # no storage before the strategy's setup
+    device = seen["root_device"]
+    assert torch.device(device).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    for when in ("train_start", "fit_end"):
+        assert seen[when] == {block: [device] for block in blocks}, when
+    # The closing table: printed once, these rows in this order, the summary's numbers.
+    out = capsys.readouterr().out
+    assert out.count(format_summary(summary)) == 1
+    table = format_summary(summary).splitlines()
+    assert [row[:28].strip() for row in table[1:-1]] == [
+        "validation perplexity", "test perplexity", "synthetic floor (true model)", "unigram baseline",
+        "train tokens / s", "fit time (s)", "checkpoint", "logs",
+    ]
+    assert table[-2].split()[-1] == str(tmp_path / "logs") and (tmp_path / "logs" / "metrics.csv").is_file()
+    assert table[-3].split()[-1] == str(tmp_path / "checkpoints" / "best.ckpt")
+    assert f"{summary['val_ppl']:,.2f}" in table[1]
 
 
 @pytest.mark.timeout(120)

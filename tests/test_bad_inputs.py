@@ -2,9 +2,10 @@
 size or checkpoint, through ``train.py``'s ``train(cfg)``.
 
 Every case must fail with its message, within its deadline (no hang), and leave an existing checkpoint in the
-run's checkpoint directory untouched. One-process cases run in this process: they must fail before any rank is
-launched (launching from pytest is turned into an error). Cases that can only fail once the ranks exist run
-``python train.py`` on two processes, and every rank must print the message.
+run's checkpoint directory untouched. Every case runs in this process and must fail before any rank is launched
+(launching from pytest, even the one process of a one-process run, is turned into an error): ``train()`` checks
+the config, the layout, the data module's batches for the layout's replicas and the checkpoint first, also for
+layouts of several processes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from lightning_mp_lstm import launcher
 from lightning_mp_lstm.app import train
-from tests.helpers import ROOT, SMALL_SYNTHETIC, TINY_RUN, run_command
+from tests.helpers import ROOT, SMALL_SYNTHETIC, TINY_RUN, run_command_and_leftovers
 
 TINY, SYNTHETIC = TINY_RUN, SMALL_SYNTHETIC
 
@@ -35,9 +36,8 @@ def _base(overrides: list[str]) -> list[str]:
 class Case:
     id: str
     overrides: list[str]
-    message: str  # a regular expression the error (or every rank's output) must contain
-    error: str = "Exception"  # the exception's class name (or a base class's) for in-process cases
-    ranks: int = 1  # > 1: run `python train.py` on that many processes
+    message: str  # a regular expression the error must contain
+    error: str = "Exception"  # the exception's class name (or a base class's)
     files: dict[str, str] = field(default_factory=dict)  # placeholders in overrides -> file kinds to create
 
 
@@ -52,15 +52,16 @@ CASES = [
          r"tie_weights=True needs embedding_dim == hidden_size, got 8 and 16"),
     # ----- layouts and schedules
     Case("layout: devices for another layout", ["layout=dp2_pp2", "trainer.devices=2"],
-         r"trainer.devices x trainer.num_nodes = 2 processes but the layout needs data_parallel_size=2 x "
-         r"pipeline_parallel_size=2 = 4 processes", "LayoutError"),
-    Case("layout: partition for another layout", ["layout=pp2", "partition=balanced4"],
-         r"has 4 stages but the layout gives pipeline_parallel_size=2 x stages_per_rank=1 = 2", "LayoutError"),
+         r"the layout needs data_parallel_size=2 x pipeline_parallel_size=2 = 4 processes \(stages_per_rank=1 adds "
+         r"virtual stages, not processes\), but the world size is 2", "LayoutError"),
+    Case("layout: partition for another layout", ["layout=pp2", "partition=per_layer"],
+         r"partition 'per_block' puts each of the 4 blocks on its own stage, but the layout has 2 stages",
+         "PartitionError"),
     Case("layout: zero pipeline stages", ["layout.pipeline_parallel_size=0"],
          r"pipeline_parallel_size must be a positive integer( or 'auto')?, got 0", "LayoutError"),
     Case("layout: unknown schedule", ["layout=pp2", "schedule.name=zigzag"],
          r"unknown schedule 'zigzag'; allowed: GPipe, 1F1B, Interleaved1F1B", "LayoutError"),
-    Case("layout: one-stage schedule, two stages per rank", ["layout=pp2_v2", "schedule=1f1b"],
+    Case("layout: one-stage schedule, two stages per rank", ["experiment=pp2_v2", "schedule.name=1F1B"],
          r"schedule 1F1B runs one stage per rank, but stages_per_rank=2", "LayoutError"),
     Case("layout: n_microbatches a word", ["layout=pp2", "schedule.n_microbatches=many"],
          r"n_microbatches must be a positive integer, None or 'auto', got 'many'", "LayoutError"),
@@ -71,7 +72,7 @@ CASES = [
                                                             "data.batch_size=1"],
          r"n_microbatches='auto' found no count: .*per-replica batch of 1 sentences .*schedule 1F1B with 2 stages",
          "LayoutError"),
-    Case("layout: more stages than blocks", ["layout=pp2_v2", "model.num_layers=1"],
+    Case("layout: more stages than blocks", ["experiment=pp2_v2", "model.num_layers=1"],
          r"the layout has 4 pipeline stages .* but the model has 3 blocks \(embedding, lstm.0, decoder\)",
          "PartitionError"),
     Case("layout: batch not splitting over replicas", ["layout=dp2", "data.batch_size=15"],
@@ -93,7 +94,7 @@ CASES = [
          "PartitionError"),
     Case("partition: an empty stage", ["partition=manual", "partition.stages=[[embedding,lstm.0,lstm.1,decoder],[]]"],
          r"stage 1 is empty; every stage needs at least one block", "PartitionError"),
-    Case("partition: unknown cost", ["partition=balanced2", "partition.balance_by=speed"],
+    Case("partition: unknown cost", ["partition=balanced", "partition.balance_by=speed"],
          r"unknown balance_by 'speed'; allowed: time, flops, memory", "PartitionError"),
     Case("partition: unknown name", ["partition.stages=zigzag", "layout=pp2"],
          r"unknown partition 'zigzag'; allowed: 'even', 'balanced'", "PartitionError"),
@@ -126,9 +127,10 @@ CASES = [
     Case("data: token budget below a bucket", ["data.batch_size=null", "data.max_tokens=10", "buckets=mxnet"],
          r"bucket of length \d+ allows only 0 sentences per global batch"),
     Case("data: fewer sentences than replicas", ["layout=dp2", "data.synthetic.num_train=1"],
-         r"dataset has 1 examples, fewer than the required 2", ranks=2),
+         r"dataset has 1 examples, fewer than the required 2 \(one per data-parallel replica\)"),
     Case("data: evaluation batch of one sentence for two replicas", ["layout=dp2", "data.eval_batch_size=1"],
-         r"valid split \(eval_batch_size=1\): .*allows only 1 sentences per global batch", ranks=2),
+         r"valid split \(eval_batch_size=1\): .*allows only 1 sentences per global batch.*need at least one per "
+         r"replica \(2\)"),
     # ----- checkpoints
     Case("checkpoint: missing file", ["ckpt_path=/nonexistent/model.ckpt"],
          r"checkpoint /nonexistent/model.ckpt does not exist", "FileNotFoundError"),
@@ -209,22 +211,28 @@ def test_bad_input_fails_clearly_and_keeps_the_checkpoint(case, tmp_path, good_c
     checkpoints.mkdir()
     shutil.copy(good_checkpoint, checkpoints / "last.ckpt")
     before = (checkpoints / "last.ckpt").read_bytes()
-    if case.ranks == 1:
-        monkeypatch.setattr(launcher.JobLauncher, "_call_children_scripts", _refuse_to_launch)
-        with pytest.raises(Exception) as caught:
-            train(compose_train(*_base(overrides), *overrides))
-        names = {cls.__name__ for cls in type(caught.value).__mro__}
-        assert case.error in names, f"{type(caught.value).__name__}: {caught.value}"
-        assert re.search(case.message, str(caught.value)), str(caught.value)
-    else:
-        args = [sys.executable, "train.py", *_base(overrides), *overrides, f"checkpoint_dir={checkpoints}",
-                f"hydra.run.dir={tmp_path}/run"]
-        result = run_command(args, timeout=50)
-        assert result.returncode != 0, result.stdout[-3000:]
-        found = re.findall(case.message, result.stdout)
-        assert len(found) >= case.ranks, result.stdout[-4000:]  # every rank says it
+    monkeypatch.setattr(launcher.JobLauncher, "_call_children_scripts", _refuse_to_launch)
+    with pytest.raises(Exception) as caught:
+        train(compose_train(*_base(overrides), *overrides))
+    names = {cls.__name__ for cls in type(caught.value).__mro__}
+    assert case.error in names, f"{type(caught.value).__name__}: {caught.value}"
+    assert re.search(case.message, str(caught.value)), str(caught.value)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
     assert (checkpoints / "last.ckpt").read_bytes() == before
+
+
+@pytest.mark.timeout(90)
+def test_train_py_on_two_processes_fails_before_starting_the_second(tmp_path):
+    """What used to fail on every rank after launching (too few sentences for the replicas) now fails in the one
+    process `python train.py layout=dp2` starts with: no rank is spawned, no process group formed."""
+    case = next(c for c in CASES if c.id == "data: fewer sentences than replicas")
+    args = [sys.executable, "train.py", *_base(case.overrides), *case.overrides,
+            f"hydra.run.dir={tmp_path}/run"]
+    result, leftovers = run_command_and_leftovers(args, timeout=80)
+    assert result.returncode != 0 and leftovers == [], result.stdout[-3000:]
+    assert len(re.findall(case.message, result.stdout)) == 1, result.stdout[-3000:]
+    assert "Initializing distributed" not in result.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_the_matrix_covers_every_kind_of_input_and_the_docs_list_every_case():

@@ -47,11 +47,17 @@ def test_pipeline_two_ranks_example_runs_as_a_script():
 
 @pytest.mark.timeout(60)
 def test_compose_config_example_resolves_dp2_pp2(capsys):
-    resolved = _load_example("compose_config").main()
-    assert (resolved.data_parallel_size, resolved.pipeline_parallel_size, resolved.stages_per_rank) == (2, 2, 1)
-    assert resolved.devices == 4
+    example = _load_example("compose_config")
+    layout = example.main()
+    assert (layout.data_parallel_size, layout.pipeline_parallel_size, layout.stages_per_rank) == (2, 2, 1)
+    assert layout.world_size == 4 and layout.schedule == "GPipe" and layout.n_microbatches == 2
     out = capsys.readouterr().out
-    assert "schedule=GPipe" in out and "data_parallel_size=2 pipeline_parallel_size=2" in out
+    assert "processes for this model: 4" in out and "schedule=GPipe" in out
+    assert "data_parallel_size=2 pipeline_parallel_size=2 stages_per_rank=1 processes=4" in out
+    # The strategy resolves what the config leaves open: the partition's stage count, the schedule's stages.
+    assert example.main(["experiment=mxnet2"]).pipeline_parallel_size == 2
+    layout = example.main(["layout=pp2", "schedule.name=Interleaved1F1B"])
+    assert (layout.stages_per_rank, layout.num_stages) == (2, 4)
 
 
 @pytest.mark.timeout(180)
