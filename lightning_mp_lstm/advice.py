@@ -39,7 +39,8 @@ class Calibration:
     bandwidth: float
 
     def speedup(self, threads: int) -> float:
-        """The measured speed-up for ``threads`` (the nearest measured count below, at least 1x)."""
+        """The best speed-up measured with at most ``threads`` threads (a process can always use fewer: at least
+        1x)."""
         known = dict(self.thread_speedup)
         return max([known[t] for t in known if t <= threads] or [1.0])
 

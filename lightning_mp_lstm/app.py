@@ -22,6 +22,7 @@ from lightning_mp_lstm.checkpoint import local_model_state, read_checkpoint
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.layout import LayoutError
 from lightning_mp_lstm.model import perplexity
+from lightning_mp_lstm.timeline import PipelineTimeline
 
 __all__ = ["build_model", "build_strategy", "build_trainer", "check_resume", "format_summary", "instantiate_callbacks",
            "instantiate_loggers", "train", "trainer_devices"]
@@ -187,6 +188,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "logs": os.path.normpath(log_dir) if log_dir else None,
             "entropy_floor_ppl": getattr(datamodule, "entropy_floor", None),
             "unigram_ppl": getattr(datamodule, "unigram_perplexity", None),
+            "timeline": _timeline_paths(trainer),
         }
         if cfg.evaluate:
             for split, run in (("val", trainer.validate), ("test", trainer.test)):
@@ -199,6 +201,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         print(format_summary(summary))
     return summary
+
+
+def _timeline_paths(trainer: pl.Trainer) -> str | None:
+    """The picture and the Chrome trace the timeline callback wrote, if it recorded a step."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, PipelineTimeline) and callback.paths:
+            return ", ".join(os.path.normpath(callback.paths[k]) for k in ("png", "trace"))
+    return None
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -217,6 +227,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("fit time (s)", summary.get("fit_seconds")),
         ("checkpoint", summary.get("checkpoint")),
         ("logs", summary.get("logs")),
+        ("timeline (picture, trace)", summary.get("timeline")),
     ]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 40)

@@ -152,9 +152,19 @@ def gather_to_rank_zero(local: dict[str, Any]) -> list[dict[str, Any]] | None:
     return parts
 
 
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
-    """An optimizer's ``state_dict`` with parameter indices replaced by ``module``'s parameter names."""
-    name_of = {id(p): n for n, p in module.named_parameters()}
+def parameter_names(module: nn.Module, aliases: Mapping[str, str] | None = None) -> dict[int, str]:
+    """``id(parameter) -> name`` of ``module``'s parameters; a tied weight's copy under its first name
+    (``aliases``: see :func:`~lightning_mp_lstm.tied.shared_parameter_aliases`)."""
+    aliases = aliases or {}
+    return {id(p): aliases.get(n, n) for n, p in module.named_parameters()}
+
+
+def optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, module: nn.Module, aliases: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """An optimizer's ``state_dict`` with parameter indices replaced by ``module``'s parameter names (a tied
+    weight's copy under its first name, see :func:`parameter_names`)."""
+    name_of = parameter_names(module, aliases)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = optimizer.state_dict()
     index_to_name = {i: name_of[id(p)] for i, p in enumerate(params)}
@@ -225,14 +235,16 @@ def name_keyed_optimizer_state(state: Mapping[str, Any], parameter_names: Sequen
 
 
 def load_local_optimizer_state(
-    optimizer: torch.optim.Optimizer, module: nn.Module, state: Mapping[str, Any]
+    optimizer: torch.optim.Optimizer, module: nn.Module, state: Mapping[str, Any],
+    aliases: Mapping[str, str] | None = None,
 ) -> None:
-    """Load a name-keyed optimizer state into an optimizer over a subset of ``module``'s parameters.
+    """Load a name-keyed optimizer state into an optimizer over a subset of ``module``'s parameters (a tied
+    weight's copy gets the state saved under its first name, see :func:`parameter_names`).
 
     Raises:
         KeyError: the checkpoint lacks state for a parameter this process holds.
     """
-    name_of = {id(p): n for n, p in module.named_parameters()}
+    name_of = parameter_names(module, aliases)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = [name_of[id(p)] for p in params]
     groups_by_name = {n: i for i, g in enumerate(state["param_groups"]) for n in g["params"]}
@@ -340,7 +352,8 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, param_grou
 
 
 def load_sharded(
-    path: str | os.PathLike, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+    path: str | os.PathLike, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Read a sharded checkpoint directory: everything but the tensors, and the tensors of ``model``'s parameters
     (this process's blocks) and of their optimizer state. Returns a Lightning checkpoint dictionary with this
@@ -362,7 +375,7 @@ def load_sharded(
         raise CheckpointError(f"sharded checkpoint {directory} cannot be read: {error}") from error
     template: dict[str, Any] = {"model": {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()
                                           if f"model.{k}" in stored}}
-    names = [name for name, _ in model.named_parameters()]
+    names = list(parameter_names(model, aliases).values())
     for i, _ in enumerate(optimizers):
         prefix = f"optimizer.{i}."
         state: dict[str, dict[str, Any]] = {}

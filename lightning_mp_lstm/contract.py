@@ -58,9 +58,6 @@ class PipelineModel(Protocol):
     def predictions(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """The predict-step result of a batch from the last block's outputs."""
 
-    def tied_blocks(self) -> list[tuple[str, ...]]:
-        """Groups of blocks that share a weight (they must run on one process)."""
-
     def analytic_costs(self, kind: str, rows: int, length: int) -> dict[str, float]:
         """Per-block cost without measuring: ``"flops"`` for a batch of ``rows x length``, ``"memory"`` (bytes
         of parameters, gradients and optimizer state) or ``"parameters"``."""

@@ -174,6 +174,9 @@ class LSTMLanguageModel(pl.LightningModule):
         for name, module in self.blocks(list(names)):
             if any(p.is_meta for p in module.parameters()):
                 self._set_block(name, self._initial_block(name).to(device))
+                if name == "decoder" and self.hparams.tie_weights and self.embedding is None:
+                    # The embedding is on another process: this copy of the shared weight starts as it does.
+                    self.decoder.weight = nn.Parameter(self._initial_block("embedding").weight.detach().to(device))
         self._tie()
 
     def build_block(self, name: str, device: torch.device) -> nn.Module:
@@ -209,10 +212,6 @@ class LSTMLanguageModel(pl.LightningModule):
     def predictions(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """See :meth:`predict_step`."""
         return prediction_from_logits(outputs, targets)
-
-    def tied_blocks(self) -> list[tuple[str, ...]]:
-        """``[("embedding", "decoder")]`` with ``tie_weights``, else nothing."""
-        return [("embedding", "decoder")] if self.hparams.tie_weights else []
 
     def analytic_costs(self, kind: str, rows: int, length: int) -> dict[str, float]:
         """``"flops"`` of a ``rows x length`` batch, ``"memory"`` bytes or ``"parameters"`` of every block."""

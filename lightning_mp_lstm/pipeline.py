@@ -97,11 +97,14 @@ class StageModule(nn.Module):
         randomness: this stage's random stream; ``None`` uses the global one.
     """
 
-    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], randomness: StageRandomness | None = None) -> None:
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], randomness: StageRandomness | None = None,
+                 last_block: str | None = None) -> None:
         super().__init__()
         self.block_names = [name for name, _ in blocks]
         self.blocks = nn.ModuleList(module for _, module in blocks)
         self.randomness = randomness
+        # The model's last block feeds the loss, which is checked itself: its (large) output is not.
+        self._watched = [name != last_block for name in self.block_names]
         self._finite: list[torch.Tensor | None] = [None] * len(self.block_names)
         #: Set while torch's pipelining infers shapes: it runs the stage on uninitialized tensors.
         self.inferring_shapes = False
@@ -119,8 +122,8 @@ class StageModule(nn.Module):
         with random:
             for i, block in enumerate(self.blocks):
                 x = block(x)
-                if watch and x.is_floating_point():
-                    finite = torch.isfinite(x.detach()).all()
+                if watch and self._watched[i] and x.is_floating_point():
+                    finite = torch.isfinite(x.detach().sum())  # NaN and infinity survive the sum: one pass, a scalar
                     self._finite[i] = finite if self._finite[i] is None else self._finite[i] & finite
         return x.contiguous()
 
@@ -312,7 +315,8 @@ class PipelineRunner:
             for stage, block in blocks:
                 replica, pipeline_rank = self.layout.coordinates(rank)
                 return f"block {block} (stage {stage}, pipeline rank {pipeline_rank}, replica {replica})"
-        return "no block: every block's output was finite, the loss itself is not"
+        last = self.model.block_names[-1]
+        return f"block {last} or the loss (every earlier block's output was finite)"
 
     @property
     def cached_shapes(self) -> list[tuple[int, int, str]]:
@@ -419,6 +423,7 @@ def build_pipeline(
             s: StageModule(
                 model.blocks(partition[s]),
                 StageRandomness(seed, data_parallel_rank, s, device) if seed is not None else None,
+                last_block=model.block_names[-1],
             )
             for s in stage_ids
         },

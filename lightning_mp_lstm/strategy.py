@@ -7,7 +7,8 @@ checkpoint IO are Lightning's. The strategy is plumbing: the model honours
 owns the device mesh; the plan (:func:`~lightning_mp_lstm.plan.make_plan`) says which blocks each stage holds;
 :func:`~lightning_mp_lstm.pipeline.build_pipeline` runs each batch through ``torch.distributed.pipelining``
 schedules. What is left here are the reductions a split model needs (gradients across replicas once per
-optimizer step, the clipping norm across stages), name-keyed checkpoints, and failing together.
+optimizer step, tied weights' gradients between their owners, the clipping norm across stages), name-keyed
+checkpoints, and failing together.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ from lightning_mp_lstm.contract import check_data, check_model
 from lightning_mp_lstm.faults import PeerDirectory, gather, result_from
 from lightning_mp_lstm.launcher import JobLauncher
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout, schedule_style
-from lightning_mp_lstm.partition import PartitionError
 from lightning_mp_lstm.pipeline import all_reduce_gradients, build_pipeline
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
+from lightning_mp_lstm.tied import TiedWeights, shared_parameter_aliases
 
 __all__ = ["MPLSTMStrategy"]
 
@@ -149,6 +150,8 @@ class MPLSTMStrategy(ParallelStrategy):
         self._peers: PeerDirectory | None = None
         self._full_state_keys: list[str] | None = None
         self._full_parameter_names: list[str] | None = None
+        self._aliases: dict[str, str] = {}
+        self._tied = TiedWeights()
         if pipeline_parallel_size != "auto":
             self._resolve_layout(int(pipeline_parallel_size) * int(data_parallel_size))
 
@@ -348,9 +351,6 @@ class MPLSTMStrategy(ParallelStrategy):
             )
         layout, options = self.layout, self._options
         options.check(model.block_names, layout)
-        partition = options.fixed_partition(model.block_names, layout.num_stages)
-        if partition is not None:
-            self._check_tied_blocks(model, partition, layout)
         if self._plan is not None:
             return  # planned at fit: validate/test/predict keep the plan
         measured = options.partition == "balanced" and options.balance_by == "time"
@@ -377,18 +377,6 @@ class MPLSTMStrategy(ParallelStrategy):
             )
         self.layout.check_batch(batch_size // dp)
 
-    @staticmethod
-    def _check_tied_blocks(model: Any, partition: Sequence[Sequence[str]], layout: ParallelLayout) -> None:
-        stage_of = {name: s for s, stage in enumerate(partition) for name in stage}
-        for group in model.tied_blocks():
-            ranks = sorted({layout.rank_of_stage(stage_of[name]) for name in group})
-            if len(ranks) > 1:
-                raise PartitionError(
-                    f"blocks {', '.join(map(repr, group))} share a weight and must be on the same process, but the "
-                    f"partition puts them on stages {', '.join(str(stage_of[n]) for n in group)} (pipeline ranks "
-                    f"{ranks}); untie the weights or choose a partition / V-shaped schedule that co-locates them"
-                )
-
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -399,10 +387,10 @@ class MPLSTMStrategy(ParallelStrategy):
                 rank_zero_info(f"mp_lstm: {self._plan.layout}\npartition (costs by {self._plan.cost_kind}):\n"
                                f"{self.report}")
         plan = self._plan
-        self._check_tied_blocks(model, plan.partition, plan.layout)
         if self._full_state_keys is None:  # the whole model, before the first pruning (meta tensors are fine)
             self._full_state_keys = list(model.state_dict())
             self._full_parameter_names = [name for name, _ in model.named_parameters()]
+            self._aliases = shared_parameter_aliases(model)
         mesh = self.device_mesh
         build_pipeline(
             model,
@@ -416,6 +404,8 @@ class MPLSTMStrategy(ParallelStrategy):
             seed=torch.initial_seed(),  # Lightning's seed_everything value, re-applied by reset_seed()
             data_parallel_rank=self.data_parallel_rank,
         )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._tied = TiedWeights.build(model, self._aliases, plan.layout)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # Lightning clips each process's gradients on their own; a split model needs the global norm.
@@ -519,6 +509,7 @@ class MPLSTMStrategy(ParallelStrategy):
         def closure_then_reduce() -> Any:
             result = closure()
             self._reduce_data_parallel_gradients()
+            self._tied.all_reduce()  # before clipping: the global norm sees the summed gradient
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
@@ -534,7 +525,7 @@ class MPLSTMStrategy(ParallelStrategy):
 
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float | int) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in self._tied.in_norm(params)]  # a tied weight's copies count once
         if grads:
             local = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         else:
@@ -576,13 +567,17 @@ class MPLSTMStrategy(ParallelStrategy):
         if self._checkpoint_format == "sharded":
             return local
         parts = ckpt.gather_to_rank_zero(local)
-        return {k: v for part in parts for k, v in part.items()} if parts is not None else {}
+        if parts is None:
+            return {}
+        merged = {k: v for part in parts for k, v in part.items()}
+        order = self._full_state_keys or list(merged)  # one process's order, whatever rank held which block
+        return {k: merged[k] for k in order if k in merged}
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Name-keyed optimizer state: of every stage, merged on global rank 0 (one file), or this process's
         (sharded)."""
         inner = getattr(optimizer, "_optimizer", optimizer)
-        local = ckpt.optimizer_state_by_name(inner, self.lightning_module)
+        local = ckpt.optimizer_state_by_name(inner, self.lightning_module, self._aliases)
         if self._checkpoint_format == "sharded":
             return local
         parts = ckpt.gather_to_rank_zero(local)
@@ -609,7 +604,7 @@ class MPLSTMStrategy(ParallelStrategy):
         truncated or foreign file gets a message naming it."""
         if ckpt.is_sharded(checkpoint_path):
             optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-            return ckpt.load_sharded(checkpoint_path, self.lightning_module, optimizers)
+            return ckpt.load_sharded(checkpoint_path, self.lightning_module, optimizers, self._aliases)
         return ckpt.read_checkpoint(checkpoint_path, load=self.checkpoint_io.load_checkpoint)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -629,9 +624,14 @@ class MPLSTMStrategy(ParallelStrategy):
         names = self._full_parameter_names or [name for name, _ in self.lightning_module.named_parameters()]
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             state = ckpt.name_keyed_optimizer_state(state, names)  # a one-process checkpoint is keyed by position
-            ckpt.load_local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, state)
+            ckpt.load_local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, state,
+                                            self._aliases)
 
     def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            # Failed before setup materialized the model: nothing to move back (and moving would hide the error).
+            self.model = None
         super().teardown()
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()

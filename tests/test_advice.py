@@ -59,4 +59,5 @@ def test_calibration_measures_a_speedup_for_every_thread_count():
     model = tiny_model(num_layers=1, hidden_size=32)
     calibration = calibrate(model, rows=4, length=8, device=CPU, threads=(1, 2), bandwidth=1e9)
     assert dict(calibration.thread_speedup)[1] == pytest.approx(1.0) and dict(calibration.thread_speedup)[2] > 0
-    assert calibration.bandwidth == 1e9 and calibration.speedup(3) == dict(calibration.thread_speedup)[2]
+    # Three threads do at least what the best of one or two did (a busy machine can make two slower than one).
+    assert calibration.bandwidth == 1e9 and calibration.speedup(3) == max(1.0, dict(calibration.thread_speedup)[2])

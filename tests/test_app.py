@@ -63,10 +63,13 @@ def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_
     table = format_summary(summary).splitlines()
     assert [row[:28].strip() for row in table[1:-1]] == [
         "validation perplexity", "test perplexity", "synthetic floor (true model)", "unigram baseline",
-        "train tokens / s", "fit time (s)", "checkpoint", "logs",
+        "train tokens / s", "fit time (s)", "checkpoint", "logs", "timeline (picture, trace)",
     ]
-    assert table[-2].split()[-1] == str(tmp_path / "logs") and (tmp_path / "logs" / "metrics.csv").is_file()
-    assert table[-3].split()[-1] == str(tmp_path / "checkpoints" / "best.ckpt")
+    # The timeline callback is on by default: its picture and trace sit in the run directory.
+    assert table[-2].split()[-2:] == [f"{tmp_path / 'timeline.png'},", str(tmp_path / "timeline.json")]
+    assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "timeline.json").stat().st_size > 0
+    assert table[-3].split()[-1] == str(tmp_path / "logs") and (tmp_path / "logs" / "metrics.csv").is_file()
+    assert table[-4].split()[-1] == str(tmp_path / "checkpoints" / "best.ckpt")
     assert f"{summary['val_ppl']:,.2f}" in table[1]
 
 

@@ -77,9 +77,6 @@ CASES = [
          "PartitionError"),
     Case("layout: batch not splitting over replicas", ["layout=dp2", "data.batch_size=15"],
          r"batch_size=15 sentences must split evenly over data_parallel_size=2 replicas", "LayoutError"),
-    Case("layout: tied weights on two processes", ["layout=pp2", "model.tie_weights=true"],
-         r"blocks 'embedding', 'decoder' share a weight and must be on the same process, but the partition puts "
-         r"them on stages 0, 1", "PartitionError"),
     # ----- partitions
     Case("partition: a flat list", ["partition=manual", "partition.stages=[embedding,lstm.0]"],
          r"the partition is a flat list of block names \['embedding', 'lstm.0'\]; give one list of block names per "

@@ -23,6 +23,7 @@ from lightning_mp_lstm.app import (
     instantiate_callbacks,
     instantiate_loggers,
 )
+from lightning_mp_lstm.timeline import PipelineTimeline
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -42,12 +43,15 @@ EXPECTED: dict[tuple[str, str], dict[str, Any]] = {
     ("buckets", "mxnet"): {"buckets.lengths": [8, 16, 24, 32, 60], "data.num_auto_buckets": None},
     ("buckets", "none"): {"buckets.lengths": None, "data.buckets": None},
     ("callbacks", "default"): {"callbacks.model_checkpoint.monitor": "val/loss",
-                               "callbacks.progress_bar.refresh_rate": 1},
+                               "callbacks.progress_bar.refresh_rate": 1, "callbacks.timeline.steps": [2, 3]},
     ("callbacks", "model_checkpoint"): {"callbacks.model_checkpoint.dirpath": CHECKPOINTS,
                                         "callbacks.model_checkpoint.save_last": True, "callbacks.progress_bar": None},
     ("callbacks", "none"): {"callbacks": {}},
     ("callbacks", "progress_bar"): {"callbacks.progress_bar._target_": "lightning.pytorch.callbacks.TQDMProgressBar",
                                     "callbacks.model_checkpoint": None},
+    ("callbacks", "timeline"): {"callbacks.timeline._target_": "lightning_mp_lstm.timeline.PipelineTimeline",
+                                "callbacks.timeline.directory": f"{CHECKPOINTS}/..",
+                                "callbacks.model_checkpoint": None},
     ("data", "ptb"): {"data.source": "ptb", "data.batch_size": 20, "data.download": False, "data.seed": 0},
     ("data", "synthetic"): {"data.source": "synthetic", "data.batch_size": 32, "data.synthetic.num_train": 80000,
                             "data.synthetic.vocab_size": 1000},
@@ -155,6 +159,9 @@ def test_every_option_composes_with_its_values_and_instantiates(group, option):
     assert (trainer.progress_bar_callback is not None) == cfg.trainer.enable_progress_bar
     if "progress_bar" in names and cfg.trainer.enable_progress_bar:
         assert isinstance(trainer.progress_bar_callback, TQDMProgressBar)
+    timelines = [c for c in trainer.callbacks if isinstance(c, PipelineTimeline)]
+    expected = [(Path("/tmp/run"), {2, 3})] if "timeline" in names else []
+    assert [(c.directory.resolve(), c.steps) for c in timelines] == [(d.resolve(), s) for d, s in expected]
     kinds = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
     assert [type(logger) for logger in trainer.loggers] == [kinds[name] for name in cfg.logger]
     for logger in trainer.loggers:
@@ -164,15 +171,19 @@ def test_every_option_composes_with_its_values_and_instantiates(group, option):
 def test_ci_trainer_drops_the_progress_bar_callback():
     cfg = _compose("trainer=ci")
     callbacks = instantiate_callbacks(cfg.callbacks, cfg.trainer)
-    assert [type(c) for c in callbacks] == [ModelCheckpoint]
-    assert [type(c) for c in instantiate_callbacks(cfg.callbacks)] == [ModelCheckpoint, TQDMProgressBar]
+    assert [type(c) for c in callbacks] == [ModelCheckpoint, PipelineTimeline]
+    assert [type(c) for c in instantiate_callbacks(cfg.callbacks)] == [ModelCheckpoint, TQDMProgressBar,
+                                                                        PipelineTimeline]
 
 
 def test_callbacks_and_loggers_can_be_added_or_removed_from_the_command_line():
     cfg = _compose("+callbacks.summary._target_=lightning.pytorch.callbacks.ModelSummary",
                    "+callbacks.summary.max_depth=2")
     built = instantiate_callbacks(cfg.callbacks)
-    assert [type(c).__name__ for c in built] == ["ModelCheckpoint", "TQDMProgressBar", "ModelSummary"]
+    assert [type(c).__name__ for c in built] == ["ModelCheckpoint", "TQDMProgressBar", "PipelineTimeline",
+                                                 "ModelSummary"]
+    cfg = _compose("~callbacks.timeline")
+    assert [type(c).__name__ for c in instantiate_callbacks(cfg.callbacks)] == ["ModelCheckpoint", "TQDMProgressBar"]
     cfg = _compose("~logger", "~callbacks")
     assert instantiate_loggers(cfg.get("logger")) == [] and instantiate_callbacks(cfg.get("callbacks")) == []
 

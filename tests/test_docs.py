@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
 PAGES = [
-    "index", "quickstart", "strategy", "configuration", "layouts", "partitioning", "reliability", "data",
-    "benchmarks", "api", "dependencies",
+    "index", "quickstart", "strategy", "architecture", "configuration", "layouts", "partitioning", "timeline",
+    "reliability", "data", "language_models", "generation", "benchmarks", "api", "dependencies",
 ]
 
 
