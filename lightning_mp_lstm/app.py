@@ -103,8 +103,9 @@ def build_model(cfg: DictConfig, strategy: Any, vocab_size: int) -> pl.Lightning
     """The model of ``cfg.model``, built inside ``strategy.tensor_init_context(empty_init=True)``: on the meta
     device, so that no process allocates blocks it will not hold (the strategy materializes its own in
     ``setup``)."""
+    stream = cfg.data.get("mode") == "stream"  # a continuous token stream: carry each row's state across batches
     with strategy.tensor_init_context(empty_init=True):
-        return _build(cfg.model, "model", vocab_size=vocab_size)
+        return _build(cfg.model, "model", vocab_size=vocab_size, **({"carry_state": True} if stream else {}))
 
 
 def trainer_devices(cfg: DictConfig, strategy: Any, model: Any) -> Any:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -45,14 +46,28 @@ class _Embedding(nn.Embedding):
 
 
 class _LSTMLayer(nn.LSTM):
-    """One LSTM layer; batch-first in and out, contiguous output, dropout on the output."""
+    """One LSTM layer; batch-first in and out, contiguous output, dropout on the output.
+
+    With a ``slot`` set (see :meth:`LSTMLanguageModel.microbatch_context`) it starts from the ``(h, c)`` it kept
+    for that slot and keeps the final one, detached: truncated backpropagation through time.
+    """
 
     def __init__(self, input_size: int, hidden_size: int, dropout: float) -> None:
         super().__init__(input_size, hidden_size, batch_first=True)
         self.output_dropout = nn.Dropout(dropout)  # nn.LSTM owns the name ``dropout``
+        self.slot: tuple[str, int] | None = None
+        self.carried: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        out, _ = super().forward(x)
+        state = self.carried.get(self.slot) if self.slot is not None else None
+        if state is not None and state[0].shape[1] != x.shape[0]:
+            raise ValueError(
+                f"carry_state: a batch of {x.shape[0]} rows follows one of {state[0].shape[1]} rows in the same "
+                "stream; carried state needs a constant number of rows (LMDataModule(mode='stream'))"
+            )
+        out, (h, c) = super().forward(x, state)
+        if self.slot is not None:
+            self.carried[self.slot] = (h.detach(), c.detach())
         return self.output_dropout(out).contiguous()
 
 
@@ -81,6 +96,10 @@ class LSTMLanguageModel(pl.LightningModule):
         lr_decay: multiplicative learning-rate decay per epoch (1.0 = constant).
         init_range: parameters are drawn from ``uniform(-init_range, init_range)`` (the seed's init);
             ``None`` keeps PyTorch's defaults.
+        carry_state: truncated backpropagation through time over a token stream
+            (``LMDataModule(mode="stream")``): every LSTM layer starts each batch from the ``(h, c)`` its rows
+            ended the previous batch with (detached); reset at the start of every training epoch and of every
+            evaluation, kept apart for training and evaluation.
     """
 
     def __init__(
@@ -97,6 +116,7 @@ class LSTMLanguageModel(pl.LightningModule):
         weight_decay: float = 0.0,
         lr_decay: float = 1.0,
         init_range: float | None = 0.1,
+        carry_state: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("embedding_dim", embedding_dim),
@@ -254,6 +274,35 @@ class LSTMLanguageModel(pl.LightningModule):
             if name not in names:
                 self._set_block(name, None)
 
+    # ----- carried state ---------------------------------------------------------------------------
+    @contextmanager
+    def microbatch_context(self, microbatch: int | None) -> Iterator[None]:
+        """Run blocks for ``microbatch`` of the current batch (the pipeline calls this around every stage
+        forward; ``None``: a pass whose values do not matter, such as inferring shapes).
+
+        With ``carry_state`` the LSTM layers read and keep the state of this microbatch's rows, for training
+        and for evaluation apart; without it nothing changes.
+        """
+        if not self.hparams.get("carry_state") or microbatch is None:
+            yield
+            return
+        mode = "train" if self.training else "eval"
+        layers = [block for _, block in self.blocks() if isinstance(block, _LSTMLayer)]
+        for layer in layers:
+            layer.slot = (mode, int(microbatch))
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.slot = None
+
+    def reset_state(self, mode: str) -> None:
+        """Forget the carried state of ``"train"`` or ``"eval"`` (a new epoch, a new evaluation)."""
+        for _, block in self.blocks():
+            if isinstance(block, _LSTMLayer):
+                for slot in [k for k in block.carried if k[0] == mode]:
+                    del block.carried[slot]
+
     # ----- computation ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run the present blocks in order (the full model maps token ids to logits)."""
@@ -264,7 +313,8 @@ class LSTMLanguageModel(pl.LightningModule):
     def _local_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = batch[0], batch[1]
         n_tokens = (targets != 0).sum()
-        loss = token_loss_sum(self(inputs), targets) / n_tokens.clamp(min=1)
+        with self.microbatch_context(0):
+            loss = token_loss_sum(self(inputs), targets) / n_tokens.clamp(min=1)
         return loss, n_tokens
 
     def batch_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,6 +340,7 @@ class LSTMLanguageModel(pl.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None
+        self.reset_state("train")
 
     def _eval_step(self, batch: Any, prefix: str) -> torch.Tensor:
         loss, n_tokens = self.batch_loss(batch)
@@ -307,9 +358,14 @@ class LSTMLanguageModel(pl.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._eval_sums.pop("val", None)
+        self.reset_state("eval")
 
     def on_test_epoch_start(self) -> None:
         self._eval_sums.pop("test", None)
+        self.reset_state("eval")
+
+    def on_predict_epoch_start(self) -> None:
+        self.reset_state("eval")
 
     def on_validation_epoch_end(self) -> None:
         self._log_perplexity("val")
@@ -331,7 +387,8 @@ class LSTMLanguageModel(pl.LightningModule):
         """
         if self.pipeline is not None:
             return self.pipeline.predict(batch)
-        return prediction_from_logits(self(batch[0]), batch[1])
+        with self.microbatch_context(0):
+            return prediction_from_logits(self(batch[0]), batch[1])
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

@@ -10,7 +10,7 @@ receive buffers at its first step and cannot serve another shape afterwards (the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -95,10 +95,15 @@ class StageModule(nn.Module):
     Args:
         blocks: ``(name, module)`` pairs in model order; the modules are shared, not copied.
         randomness: this stage's random stream; ``None`` uses the global one.
+        last_block: the model's last block (its output feeds the loss, which is checked itself).
+        microbatch_context: the model's ``microbatch_context`` (optional in the contract): entered around each
+            forward with the microbatch's index, so a model can keep per-row state (``None`` while inferring
+            shapes).
     """
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], randomness: StageRandomness | None = None,
-                 last_block: str | None = None) -> None:
+                 last_block: str | None = None,
+                 microbatch_context: Callable[[int | None], AbstractContextManager[Any]] | None = None) -> None:
         super().__init__()
         self.block_names = [name for name, _ in blocks]
         self.blocks = nn.ModuleList(module for _, module in blocks)
@@ -108,6 +113,9 @@ class StageModule(nn.Module):
         self._finite: list[torch.Tensor | None] = [None] * len(self.block_names)
         #: Set while torch's pipelining infers shapes: it runs the stage on uninitialized tensors.
         self.inferring_shapes = False
+        #: The microbatch the next forward runs (set by the stage before each forward).
+        self.microbatch: int | None = None
+        self._microbatch_context = microbatch_context or (lambda index: nullcontext())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point() and x.requires_grad:
@@ -119,7 +127,7 @@ class StageModule(nn.Module):
             random = self.randomness.active()
         else:
             random = _no_context()
-        with random:
+        with random, self._microbatch_context(None if self.inferring_shapes else self.microbatch):
             for i, block in enumerate(self.blocks):
                 x = block(x)
                 if watch and self._watched[i] and x.is_floating_point():
@@ -164,6 +172,7 @@ class _Stage(PipelineStage):
 
     # The timeline (lightning_mp_lstm.timeline): spans of computation, tags on the point-to-point operations.
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.microbatch = fwd_chunk_id  # a model that carries state per microbatch reads it
         with RECORDER.span("forward", self.stage_index, fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
@@ -333,8 +342,9 @@ class PipelineRunner:
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.model.microbatch_loss(logits, targets) / self._divisor
 
-    def _local_forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def _local_forward(self, inputs: torch.Tensor, microbatch: int = 0) -> torch.Tensor:
         (module,) = self.stage_modules.values()
+        module.microbatch = microbatch
         return module(inputs)
 
     def _run_local(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
@@ -344,7 +354,7 @@ class PipelineRunner:
             chunks = zip(inputs.chunk(self.layout.n_microbatches), targets.chunk(self.layout.n_microbatches))
             for i, (x, y) in enumerate(chunks):
                 with RECORDER.span("forward", stage, i):
-                    loss = self._loss_fn(self._local_forward(x), y)
+                    loss = self._loss_fn(self._local_forward(x, i), y)
                 if train:
                     with RECORDER.span("backward", stage, i):
                         loss.backward()
@@ -424,6 +434,7 @@ def build_pipeline(
                 model.blocks(partition[s]),
                 StageRandomness(seed, data_parallel_rank, s, device) if seed is not None else None,
                 last_block=model.block_names[-1],
+                microbatch_context=getattr(model, "microbatch_context", None),
             )
             for s in stage_ids
         },

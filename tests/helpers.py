@@ -143,6 +143,18 @@ class TrainLosses(pl.Callback):
         self.values.append((trainer.global_step, float(trainer.callback_metrics["train/loss"])))
 
 
+class Gradients(pl.Callback):
+    """Every parameter's gradient before each optimizer step (after the strategy's reductions, before clipping),
+    under every name the parameter has on this process (a tied weight under both)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.steps.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)
+                           if p.grad is not None})
+
+
 # ----- comparisons -----------------------------------------------------------------------------------------
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` (Frobenius norms)."""

@@ -128,6 +128,10 @@ CASES = [
     Case("data: evaluation batch of one sentence for two replicas", ["layout=dp2", "data.eval_batch_size=1"],
          r"valid split \(eval_batch_size=1\): .*allows only 1 sentences per global batch.*need at least one per "
          r"replica \(2\)"),
+    Case("data: stream with a token budget", ["data.mode=stream", "data.max_tokens=500"],
+         r"mode='stream' cuts the stream into batch_size rows: give batch_size and no max_tokens"),
+    Case("data: stream with more rows than tokens", ["data.mode=stream", "data.eval_batch_size=100000"],
+         r"valid split: the stream has \d+ tokens, too few for 100000 rows of at least 2 tokens"),
     # ----- checkpoints
     Case("checkpoint: missing file", ["ckpt_path=/nonexistent/model.ckpt"],
          r"checkpoint /nonexistent/model.ckpt does not exist", "FileNotFoundError"),

@@ -11,7 +11,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -19,7 +18,16 @@ import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.checkpoint import read_checkpoint
 from lightning_mp_lstm.tied import shared_parameter_aliases
-from tests.helpers import FixedBatches, TrainLosses, assert_ranks_match, quiet_trainer, rel_error, run_ranks, tiny_model
+from tests.helpers import (
+    FixedBatches,
+    Gradients,
+    TrainLosses,
+    assert_ranks_match,
+    quiet_trainer,
+    rel_error,
+    run_ranks,
+    tiny_model,
+)
 
 STEPS = 4
 LAYOUTS = {
@@ -28,18 +36,6 @@ LAYOUTS = {
     "pp4": (4, dict(schedule="GPipe", n_microbatches=2)),
     "dp2_pp2": (4, dict(data_parallel_size=2, schedule="GPipe", n_microbatches=2)),
 }
-
-
-class Gradients(pl.Callback):
-    """Every parameter's gradient before each optimizer step (after the strategy's reductions, before clipping),
-    under every name the parameter has on this process."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.steps.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)
-                           if p.grad is not None})
 
 
 def _model() -> Any:

@@ -24,6 +24,7 @@ from lightning_mp_lstm.data.bucketing import (
 )
 from lightning_mp_lstm.data.corpus import SPLITS, read_sentences, resolve_split_paths
 from lightning_mp_lstm.data.download import download_ptb
+from lightning_mp_lstm.data.stream import TokenStream
 from lightning_mp_lstm.data.synthetic import DEFAULT_SPLIT_SIZES, SyntheticLanguage
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 
@@ -33,6 +34,8 @@ log = logging.getLogger("lightning_mp_lstm.data")
 
 #: Allowed values of ``source``.
 SOURCES: tuple[str, ...] = ("synthetic", "ptb", "wikitext", "text")
+#: How batches are formed: bucketed independent sentences, or windows of one continuous token stream.
+MODES: tuple[str, ...] = ("sentences", "stream")
 
 _DEFAULT_CACHE = "~/.cache/lightning_mp_lstm"
 _SPLIT_SIZE_KEYS = {"num_train": "train", "num_valid": "valid", "num_test": "test"}
@@ -102,6 +105,12 @@ class LMDataModule(pl.LightningDataModule):
         seed: Shuffling seed (and default synthetic language seed).
         num_workers: DataLoader worker processes.
         single_file_for_all_splits: Allow one file ``path`` for every split.
+        mode: ``"sentences"`` (bucketed, independent sentences) or ``"stream"``: each split as one token
+            stream cut into ``batch_size`` (evaluation: ``eval_batch_size``) contiguous rows, batches being
+            consecutive windows of ``bptt`` tokens, in order (see
+            :class:`~lightning_mp_lstm.data.stream.TokenStream`; train the model with ``carry_state=True``).
+            Buckets, ``max_tokens`` and ``shuffle`` do not apply.
+        bptt: ``mode="stream"``: tokens per window.
 
     Raises:
         ValueError: For an invalid argument combination.
@@ -129,9 +138,20 @@ class LMDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         single_file_for_all_splits: bool = False,
+        mode: str = "sentences",
+        bptt: int = 35,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+        if isinstance(bptt, bool) or not isinstance(bptt, int) or bptt < 1:
+            raise ValueError(f"bptt must be a positive integer, got {bptt!r}")
+        if mode == "stream" and (batch_size is None or max_tokens is not None):
+            raise ValueError(
+                f"mode='stream' cuts the stream into batch_size rows: give batch_size and no max_tokens "
+                f"(got batch_size={batch_size}, max_tokens={max_tokens})"
+            )
         if source not in SOURCES:
             raise ValueError(f"unknown data source {source!r}; expected one of {', '.join(SOURCES)}")
         if long_sentence_policy not in LONG_SENTENCE_POLICIES:
@@ -169,6 +189,9 @@ class LMDataModule(pl.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.single_file_for_all_splits = single_file_for_all_splits
+        self.mode = mode
+        self.bptt = bptt
+        self._streams: dict[tuple[str, int], TokenStream] = {}
 
         self._sentences: dict[str, list[list[str]]] | None = None
         self._language: SyntheticLanguage | None = None
@@ -258,6 +281,7 @@ class LMDataModule(pl.LightningDataModule):
         self._vocab = vocab
         self._encoded.clear()
         self._datasets.clear()
+        self._streams.clear()
         self._bucket_lengths = None
         self._unigram_ppl = None
         self._checked_samplers.clear()
@@ -320,13 +344,34 @@ class LMDataModule(pl.LightningDataModule):
         weights = getattr(strategy, "data_parallel_weights", None) if strategy is not None else None
         return num_replicas, rank, (list(weights) if weights is not None else None)
 
-    def _batch_sampler(self, split: str, train: bool) -> tuple[BucketedDataset, BucketBatchSampler]:
+    def stream(self, split: str, rows: int) -> TokenStream:
+        """``split`` as a token stream of ``rows`` rows (``mode="stream"``)."""
+        key = (split, rows)
+        if key not in self._streams:
+            assert self._vocab is not None
+            try:
+                self._streams[key] = TokenStream(self._encode(split), self._vocab.eos_id, rows, self.bptt)
+            except ValueError as err:
+                raise ValueError(f"{split} split: {err}") from err
+        return self._streams[key]
+
+    def _batch_sampler(self, split: str, train: bool) -> tuple[BucketedDataset | TokenStream, BucketBatchSampler]:
         """``split``'s dataset and a new batch sampler for the trainer's data-parallel layout (this validates
         the batch size and token budget)."""
         self.setup()
         num_replicas, rank, weights = self._replicas()
-        ds = self.dataset(split, min_bucket_size=num_replicas)
         batch_size = self.batch_size if train else (self.eval_batch_size or self.batch_size)
+        if self.mode == "stream":
+            assert batch_size is not None
+            stream = self.stream(split, batch_size)
+            try:  # one global batch per window, in order; each replica its contiguous rows
+                return stream, BucketBatchSampler(stream.bucket_indices, stream.buckets, batch_size=batch_size,
+                                                  shuffle=False, seed=self.seed, num_replicas=num_replicas,
+                                                  rank=rank, replica_weights=weights)
+            except ValueError as err:
+                which = "eval_batch_size" if not train and self.eval_batch_size else "batch_size"
+                raise ValueError(f"{split} split ({which}={batch_size} stream rows): {err}") from err
+        ds = self.dataset(split, min_bucket_size=num_replicas)
         try:
             sampler = BucketBatchSampler(
                 ds.bucket_indices,
@@ -392,13 +437,17 @@ class LMDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------- properties
     @property
     def bucket_lengths(self) -> list[int]:
-        """Bucket lengths in tokens (after :meth:`setup`); every batch is padded to one of them."""
-        return self._buckets()
+        """Bucket lengths in tokens (after :meth:`setup`); every batch is padded to one of them (``[bptt]`` in
+        stream mode)."""
+        return [self.bptt] if self.mode == "stream" else self._buckets()
 
     @property
     def mean_padded_length(self) -> float:
         """Mean length, in tokens, that a training sentence is padded to (its bucket's length), over the
-        training split: the bucket mix that per-step compute follows (after :meth:`setup`)."""
+        training split: the bucket mix that per-step compute follows (after :meth:`setup`); ``bptt`` in stream
+        mode."""
+        if self.mode == "stream":
+            return float(self.bptt)
         self.setup()
         dataset = self.dataset("train", min_bucket_size=self._replicas()[0])
         if not len(dataset):

@@ -1,0 +1,70 @@
+"""A split as one continuous token stream, for truncated backpropagation through time.
+
+As in PyTorch's ``word_language_model`` and AWD-LSTM: the sentences (each ending with ``<eos>``) are
+concatenated after one leading ``<eos>``, the stream is cut into ``rows`` contiguous rows of equal length, and
+batches are consecutive windows of ``bptt`` tokens of every row; the model carries each row's recurrent state
+from one window to the next (``LSTMLanguageModel(carry_state=True)``).
+
+Each example is one row of one window; window ``k`` is "bucket" ``k`` of length ``len(window k)``, so the
+:class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler` (one global batch per window, no shuffling) shards
+rows over data-parallel replicas and saves and restores the position exactly as it does for sentences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["TokenStream"]
+
+
+class TokenStream(Dataset):
+    """Windows of a token stream cut into rows.
+
+    Args:
+        sentences: encoded sentences, each ending with ``<eos>``.
+        eos_id: id of ``<eos>`` (the stream's first input).
+        rows: number of contiguous rows (the global batch size).
+        bptt: tokens per window (the last window of an epoch may be shorter).
+
+    Raises:
+        ValueError: for ``rows`` or ``bptt`` below 1, or a stream too short for one window of ``rows`` rows.
+    """
+
+    def __init__(self, sentences: Sequence[Sequence[int]], eos_id: int, rows: int, bptt: int) -> None:
+        for name, value in (("rows", rows), ("bptt", bptt)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        stream = np.concatenate([np.asarray([eos_id], dtype=np.int64),
+                                 *(np.asarray(s, dtype=np.int64) for s in sentences)])
+        columns = stream.size // rows
+        if columns < 2:
+            raise ValueError(
+                f"the stream has {stream.size} tokens, too few for {rows} rows of at least 2 tokens; use a smaller "
+                "batch size"
+            )
+        self.rows, self.bptt = rows, bptt
+        self.data = stream[: rows * columns].reshape(rows, columns)
+        starts = range(0, columns - 1, bptt)
+        #: Length of every window (tokens per row); the last may be shorter.
+        self.buckets = [min(bptt, columns - 1 - start) for start in starts]
+        self._starts = list(starts)
+        #: The window ("bucket") of every example (``index = window * rows + row``).
+        self.bucket_indices = np.repeat(np.arange(len(self.buckets)), rows)
+
+    def __len__(self) -> int:
+        return int(self.bucket_indices.size)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window, row = divmod(int(index), self.rows)
+        start, length = self._starts[window], self.buckets[window]
+        tokens = torch.from_numpy(self.data[row, start : start + length + 1].copy())
+        return tokens[:-1], tokens[1:]
+
+    @property
+    def num_tokens(self) -> int:
+        """Target tokens of one epoch (every window of every row)."""
+        return int(sum(self.buckets)) * self.rows
