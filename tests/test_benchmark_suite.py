@@ -1,0 +1,191 @@
+"""The benchmark suite: ``benchmarks/run.py --quick`` measures every section under a deadline, writes a JSON file that
+holds its schema with real values and a Markdown page; the page renders again from the JSON alone, and broken
+results are refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import run as suite
+from tests.helpers import ROOT, run_command
+
+SCRIPT = ROOT / "benchmarks" / "run.py"
+
+
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One ``--quick`` run for the whole module: its directory, JSON, page and output."""
+    out = tmp_path_factory.mktemp("benchmarks")
+    result = run_command([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], timeout=280)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return {"out": out, "results": json.loads((out / "results.json").read_text()),
+            "page": (out / "results.md").read_text(), "stdout": result.stdout}
+
+
+def _finite_positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_measures_every_section_and_holds_the_schema(quick):
+    results = quick["results"]
+    assert results["mode"] == "quick" and results["schema"] == suite.SCHEMA
+    assert list(results["sections"]) == list(suite.SECTIONS)
+    suite.validate(results)
+    machine = results["machine"]
+    assert machine["cores"] >= 1 and machine["torch"] and machine["lightning"] and len(machine["load_after"]) == 3
+    assert 0 < results["duration_s"] < 280
+    for section in results["sections"].values():
+        for goal in section["goals"]:
+            expected = goal["value"] >= goal["target"] if goal["op"] == ">=" else goal["value"] <= goal["target"]
+            assert goal["met"] is expected, goal
+            assert f"{goal['name']}: {goal['value']:.3f}" in quick["stdout"]  # every goal is printed with its value
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_bound_rows_are_measured(quick):
+    section = quick["results"]["sections"]["pipeline_bound"]
+    rows = section["rows"]
+    assert {(r["schedule"], r["m"]) for r in rows} == {(s, m) for s in ("GPipe", "1F1B") for m in suite.QUICK.bound_m}
+    for row in rows:
+        assert len(row["stage_s"]) == len(row["isolated_stage_s"]) == 2
+        assert all(_finite_positive(t) for t in row["stage_s"] + row["isolated_stage_s"])
+        # The bound is computed from the stage times: (m - 1) x max + sum, here for the medians of the steps.
+        assert row["bound_s"] > (row["m"] - 1) * min(row["stage_s"])
+        assert math.isclose(row["isolated_bound_s"],
+                            (row["m"] - 1) * max(row["isolated_stage_s"]) + sum(row["isolated_stage_s"]))
+        assert _finite_positive(row["ratio"]) and _finite_positive(row["measured_s"])
+        assert row["compute_end_s"] <= row["measured_s"] * 1.5
+        assert 0 < row["bubble_predicted"] < 1
+    assert len(section["goals"]) == len(rows)
+
+
+@pytest.mark.timeout(300)
+def test_layout_rows_cover_every_model_and_layout(quick):
+    rows = quick["results"]["sections"]["layouts"]["rows"]
+    assert {r["model"] for r in rows} == {"tiny", "small", "mxnet_ptb"}
+    for model in ("tiny", "small", "mxnet_ptb"):
+        layouts = {r["layout"]: r for r in rows if r["model"] == model}
+        assert set(layouts) == set(suite.LAYOUTS)  # every model has at least 4 blocks: pp4 fits
+        assert layouts["1 process"]["ratio"] == 1.0 and layouts["1 process"]["threads"] == 2
+        assert layouts["pp4 balanced"]["processes"] == 4 and layouts["pp4 balanced"]["partition"].count("|") == 3
+        assert layouts["pp2 even"]["m"] == 2 and layouts["pp2 even"]["partition"].count("|") == 1
+        for row in layouts.values():
+            assert _finite_positive(row["tokens_per_s"]) and _finite_positive(row["ratio"])
+            assert math.isclose(row["ratio"], row["tokens_per_s"] / layouts["1 process"]["tokens_per_s"])
+
+
+@pytest.mark.timeout(300)
+def test_partition_regret_tries_every_contiguous_split(quick):
+    section = quick["results"]["sections"]["partition_regret"]
+    rows = section["rows"]
+    blocks = suite.QUICK.regret_model["num_layers"] + 2
+    splits = [r for r in rows if r["setting"] != "balanced"]
+    assert len(splits) == blocks - 1 and len({r["split"] for r in splits}) == blocks - 1
+    balanced = next(r for r in rows if r["setting"] == "balanced")
+    assert balanced["split"] in {r["split"] for r in splits}  # it chose one of the contiguous splits
+    assert min(r["ratio_to_best"] for r in splits) == 1.0
+    for row in rows:
+        assert row["max_over_mean"] >= 1.0 and len(row["stage_s"]) == 2
+    assert [g["value"] for g in section["goals"]] == [balanced["ratio_to_best"], balanced["max_over_mean"]]
+
+
+@pytest.mark.timeout(300)
+def test_bucketing_rows_have_fractions_and_speeds(quick):
+    rows = {r["buckets"]: r for r in quick["results"]["sections"]["bucketing"]["rows"]}
+    none = rows["none (pad to longest)"]
+    assert len(none["lengths"]) == 1 and none["speedup"] == 1.0
+    assert rows["mxnet"]["lengths"] == [8, 16, 24, 32, 60]
+    for row in rows.values():
+        assert 0.0 <= row["padded_fraction"] <= 1.0 and 0.0 <= row["batch_padded_fraction"] <= 1.0
+        assert _finite_positive(row["real_tokens_per_s"])
+    # PTB sentence lengths: padding to the longest wastes the most, more buckets waste less.
+    assert none["padded_fraction"] > max(r["padded_fraction"] for k, r in rows.items() if k != none["buckets"])
+    assert rows["auto (10 buckets)"]["padded_fraction"] < rows["auto (5 buckets)"]["padded_fraction"]
+
+
+@pytest.mark.timeout(300)
+def test_memory_overhead_and_advice_sections(quick):
+    sections = quick["results"]["sections"]
+    memory = sections["memory"]["rows"]
+    assert {r["layout"] for r in memory} == set(suite.QUICK.memory_layouts)
+    assert len([r for r in memory if r["layout"] == "pp2"]) == 2
+    pp2 = [r for r in memory if r["layout"] == "pp2"]
+    single = next(r for r in memory if r["layout"] == "1 process")
+    assert sum(r["params"] for r in pp2) == single["params"]  # the ranks hold the model between them
+    assert all(r["training_mib"] >= r["floor_mib"] > 0 for r in memory)
+    overhead = sections["strategy_overhead"]
+    assert _finite_positive(overhead["ratio"]) and all(_finite_positive(r["steps_per_s"]) for r in overhead["rows"])
+    advice = sections["advice"]["rows"]
+    assert {r["model"] for r in advice} == {"tiny", "small", "mxnet_ptb"}
+    for model in ("tiny", "small", "mxnet_ptb"):
+        rows = [r for r in advice if r["model"] == model]
+        assert sorted(r["predicted_rank"] for r in rows) == sorted(r["measured_rank"] for r in rows) == [1, 2, 3]
+        assert {r["layout"] for r in rows} == {"1 process", "dp2", "pp2 balanced, m=auto"}
+    assert len(sections["advice"]["goals"]) == 3
+
+
+@pytest.mark.timeout(300)
+def test_page_mentions_every_section_and_shows_the_pictures(quick):
+    page, results = quick["page"], quick["results"]
+    for section in results["sections"].values():
+        assert f"## {section['title']}" in page
+    assert "## When does pipelining pay" in page
+    assert set(results["pictures"]) == {"pp2", "dp2_pp2"}
+    for path in results["pictures"].values():
+        picture = Path(path)
+        assert picture.is_file() and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({picture.name})" in page  # beside the page: referenced by its relative path
+    assert results["machine"]["cpu"] in page and results["command"] in page
+
+
+@pytest.mark.timeout(300)
+def test_page_renders_from_the_json_alone(quick, tmp_path):
+    again = quick["out"] / "again.md"
+    result = run_command([sys.executable, str(SCRIPT), "--render", str(again), "--json",
+                          str(quick["out"] / "results.json")], timeout=60)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert again.read_text() == quick["page"]
+    elsewhere = tmp_path / "docs" / "results.md"
+    assert suite.main(["--render", str(elsewhere), "--json", str(quick["out"] / "results.json")]) == 0
+    text = elsewhere.read_text()
+    for path in quick["results"]["pictures"].values():  # the links follow the page
+        link = Path(os.path.relpath(path, elsewhere.parent))
+        assert f"]({link.as_posix()})" in text and (elsewhere.parent / link).is_file()
+
+
+@pytest.mark.timeout(300)
+def test_broken_results_are_refused(quick, tmp_path):
+    good = quick["results"]
+    breakages = {
+        "a section is missing": lambda r: r["sections"].pop("bucketing"),
+        "a ratio is not finite": lambda r: r["sections"]["pipeline_bound"]["rows"][0].update(ratio=float("nan")),
+        "a padded fraction above 1": lambda r: r["sections"]["bucketing"]["rows"][0].update(padded_fraction=1.5),
+        "tokens/s of zero": lambda r: r["sections"]["layouts"]["rows"][0].update(tokens_per_s=0.0),
+        "a goal's flag disagrees": lambda r: r["sections"]["partition_regret"]["goals"][0].update(
+            met=not r["sections"]["partition_regret"]["goals"][0]["met"]),
+        "a row lacks a field": lambda r: r["sections"]["memory"]["rows"][0].pop("training_mib"),
+        "no machine": lambda r: r.pop("machine"),
+    }
+    for what, breakage in breakages.items():
+        broken = copy.deepcopy(good)
+        breakage(broken)
+        with pytest.raises(suite.SchemaError):
+            suite.validate(broken)
+            pytest.fail(f"accepted results with {what}")
+    broken = copy.deepcopy(good)
+    broken["sections"]["strategy_overhead"]["rows"][0]["steps_per_s"] = -1.0
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(broken))
+    assert suite.main(["--render", str(tmp_path / "page.md"), "--json", str(path)]) == 2
+    assert not (tmp_path / "page.md").exists()
