@@ -233,14 +233,14 @@ def microbatch_candidates(layout: ParallelLayout, batch_rows: int, max_microbatc
 
 
 def _measure_on_first_replica(layout: ParallelLayout, global_rank: int, measure: Any) -> list[Any]:
-    """Run ``measure(pipeline_rank)`` on the pipeline ranks of replica 0 (the others contribute ``None``) and
-    gather the results, indexed by pipeline rank. Without a process group (planning ahead in one process) this
-    process measures every pipeline rank's share itself."""
+    """Run ``measure(pipeline_rank)`` on the pipeline ranks of replica 0, tensor rank 0 (the others contribute
+    ``None``) and gather the results, indexed by pipeline rank. Without a process group (planning ahead in one
+    process) this process measures every pipeline rank's share itself."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [measure(rank) for rank in range(layout.pipeline_parallel_size)]
-    replica, pipeline_rank = layout.coordinates(global_rank)
-    results = gather(lambda: measure(pipeline_rank) if replica == 0 else None)
-    return results[: layout.pipeline_parallel_size]
+    replica, pipeline_rank, tensor_rank = layout.mesh_coordinates(global_rank)
+    results = gather(lambda: measure(pipeline_rank) if replica == 0 and tensor_rank == 0 else None)
+    return [results[layout.global_rank(0, rank)] for rank in range(layout.pipeline_parallel_size)]
 
 
 def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_rows: int, length: int,
