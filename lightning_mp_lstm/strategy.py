@@ -595,8 +595,8 @@ class MPLSTMStrategy(ParallelStrategy):
         Sharded: this process's own tensors (nothing is gathered)."""
         local = self.lightning_module.state_dict()
         if self._checkpoint_format == "sharded":
-            return local
-        parts = ckpt.gather_to_rank_zero(local)
+            return local  # torch.distributed.checkpoint writes tensor-parallel shards as they are
+        parts = ckpt.gather_to_rank_zero(ckpt.full_tensors(local))  # one process's whole tensors
         if parts is None:
             return {}
         merged = {k: v for part in parts for k, v in part.items()}
@@ -610,7 +610,7 @@ class MPLSTMStrategy(ParallelStrategy):
         local = ckpt.optimizer_state_by_name(inner, self.lightning_module, self._aliases)
         if self._checkpoint_format == "sharded":
             return local
-        parts = ckpt.gather_to_rank_zero(local)
+        parts = ckpt.gather_to_rank_zero(ckpt.full_tensors(local))
         blocks = self.lightning_module.block_names
         return ckpt.merge_optimizer_states(parts, block_names=blocks) if parts is not None else {}
 
@@ -648,12 +648,14 @@ class MPLSTMStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module
         own = ckpt.local_model_state(module, checkpoint["state_dict"], strict=strict, full_keys=self._full_state_keys)
-        module.load_state_dict(own, strict=strict)
+        module.load_state_dict(ckpt.shard_like_parameters(own, module), strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         names = self._full_parameter_names or [name for name, _ in self.lightning_module.named_parameters()]
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             state = ckpt.name_keyed_optimizer_state(state, names)  # a one-process checkpoint is keyed by position
+            shards = ckpt.shard_like_parameters(state["state"], self.lightning_module, self._aliases, state=True)
+            state = {**state, "state": shards}
             ckpt.load_local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, state,
                                             self._aliases)
 
