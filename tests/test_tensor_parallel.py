@@ -129,3 +129,37 @@ def test_vocabulary_not_divisible_by_tensor_parallel_size_says_so():
 def test_tensor_parallel_size_is_checked_when_the_strategy_is_built(bad):
     with pytest.raises(LayoutError, match=rf"tensor_parallel_size must be a positive integer, got {bad!r}"):
         MPLSTMStrategy(tensor_parallel_size=bad)
+
+
+def _train_and_save(rank: int, world_size: int, kwargs: dict, checkpoint: str) -> None:
+    warnings.filterwarnings("ignore")
+    strategy = MPLSTMStrategy(report_after_steps=None, timeout=60, **kwargs) if kwargs else "auto"
+    trainer = quiet_trainer(strategy, world_size, max_steps=STEPS, gradient_clip_val=0.05)
+    trainer.fit(_model(), datamodule=FixedBatches())
+    trainer.save_checkpoint(checkpoint)
+
+
+def _resume(rank: int, world_size: int, kwargs: dict, checkpoint: str) -> dict:
+    warnings.filterwarnings("ignore")
+    model = _model()
+    strategy = MPLSTMStrategy(report_after_steps=None, timeout=60, **kwargs) if kwargs else "auto"
+    trainer = quiet_trainer(strategy, world_size, max_steps=STEPS + 2, gradient_clip_val=0.05)
+    trainer.fit(model, datamodule=FixedBatches(), ckpt_path=checkpoint)
+    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_round_trip_across_tensor_parallel_degrees(tmp_path):
+    """A tp2 checkpoint resumes on one process and on pp2; a one-process checkpoint resumes on tp2 and on
+    pp2 x tp2 (shards cut from the whole tensors, Adam's moments included): all continue like one process."""
+    tp2 = dict(LAYOUTS["tp2"][1], n_microbatches=1)
+    one_ckpt, tp_ckpt = str(tmp_path / "one.ckpt"), str(tmp_path / "tp2.ckpt")
+    _train_and_save(0, 1, {}, one_ckpt)
+    expected = _resume(0, 1, {}, one_ckpt)
+    run_ranks(_train_and_save, 2, tp2, tp_ckpt, timeout=120)
+    saved = read_checkpoint(tp_ckpt)
+    assert saved["global_step"] == STEPS and saved["state_dict"]["decoder.weight"].shape == (TP_VOCAB, 8)
+    assert_ranks_match([_resume(0, 1, {}, tp_ckpt)], expected)
+    assert_ranks_match(run_ranks(_resume, 2, dict(pipeline_parallel_size=2, n_microbatches=2), tp_ckpt,
+                                 timeout=120), expected)
+    assert_ranks_match(run_ranks(_resume, 4, LAYOUTS["pp2_tp2"][1], one_ckpt, timeout=120), expected)
