@@ -257,6 +257,10 @@ class LSTMLanguageModel(pl.LightningModule):
                 "tie_weights=False or tensor_parallel_size=1"
             )
 
+    def tensor_parallel_blocks(self) -> list[str]:
+        """The blocks :meth:`parallelize_vocabulary` splits (every parameter of them): embedding and decoder."""
+        return ["embedding", "decoder"]
+
     def parallelize_vocabulary(self, mesh: DeviceMesh) -> None:
         """Split the vocabulary layers this process holds over the one-dimensional ``mesh``.
 

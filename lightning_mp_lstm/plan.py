@@ -164,6 +164,8 @@ class PipelinePlan:
         block_memory: ``(block, bytes of parameters, gradients and optimizer state)`` pairs in model order.
         microbatch_rows: sequences per microbatch the costs were measured for; ``length`` their length.
         predictions: ``(m, predicted seconds per step)`` for every count ``n_microbatches="auto"`` weighed.
+        split_blocks: the blocks whose parameters are split over the ``layout.tensor_parallel_size`` processes of
+            their stage (each holds ``1 / tensor_parallel_size`` of them); empty without tensor parallelism.
     """
 
     layout: ParallelLayout
@@ -176,6 +178,7 @@ class PipelinePlan:
     length: int
     stage_speeds: tuple[float, ...] | None = None
     predictions: tuple[tuple[int, float], ...] | None = None
+    split_blocks: tuple[str, ...] = ()
     fingerprint: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -300,5 +303,7 @@ def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_ro
         length=length,
         stage_speeds=options.stage_speeds,
         predictions=predictions,
+        split_blocks=tuple(model.tensor_parallel_blocks()) if layout.tensor_parallel_size > 1 and hasattr(
+            model, "tensor_parallel_blocks") else (),
     )
     return result_from(0, lambda: plan)  # rank 0's plan, everywhere

@@ -163,3 +163,24 @@ def test_checkpoints_round_trip_across_tensor_parallel_degrees(tmp_path):
     assert_ranks_match(run_ranks(_resume, 2, dict(pipeline_parallel_size=2, n_microbatches=2), tp_ckpt,
                                  timeout=120), expected)
     assert_ranks_match(run_ranks(_resume, 4, LAYOUTS["pp2_tp2"][1], one_ckpt, timeout=120), expected)
+
+
+def test_partition_report_shows_each_ranks_share_of_split_blocks():
+    import torch as _torch
+
+    from lightning_mp_lstm.layout import ParallelLayout
+    from lightning_mp_lstm.plan import PlanOptions, make_plan
+    from lightning_mp_lstm.report import render, stage_summary
+
+    model = tiny_model(num_layers=2, vocab=1000)
+    whole = make_plan(model, ParallelLayout(pipeline_parallel_size=2, n_microbatches=2), PlanOptions(partition="even"),
+                      8, 5, _torch.device("cpu"))
+    split = make_plan(model, ParallelLayout(pipeline_parallel_size=2, tensor_parallel_size=2, n_microbatches=2),
+                      PlanOptions(partition="even"), 8, 5, _torch.device("cpu"))
+    assert split.split_blocks == ("embedding", "decoder") and whole.split_blocks == ()
+    counts = dict(whole.block_parameters)
+    expected = [counts["embedding"] / 2 + counts["lstm.0"], counts["lstm.1"] + counts["decoder"] / 2]
+    assert stage_summary(split)["parameters"] == pytest.approx(expected)
+    text = render(split)
+    assert "params/rank" in text and "memory MiB/rank" in text and "(decoder split /2)" in text
+    assert f"{int(expected[1]):,}" in text
