@@ -26,6 +26,7 @@ from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = [
     "SHARDED_METADATA",
@@ -35,7 +36,9 @@ __all__ = [
     "is_sharded",
     "load_sharded",
     "save_sharded",
+    "full_tensors",
     "gather_to_rank_zero",
+    "shard_like_parameters",
     "load_local_optimizer_state",
     "local_model_state",
     "merge_optimizer_states",
@@ -128,6 +131,56 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+def full_tensors(obj: Any) -> Any:
+    """``obj`` with every ``DTensor`` (a tensor-parallel shard) replaced by the whole tensor it is part of.
+
+    A collective over each DTensor's mesh: every process of it must call this with the same structure (the
+    shards of one stage hold the same names in the same order).
+    """
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: full_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(full_tensors(v) for v in obj)
+    return obj
+
+
+def shard_like_parameters(values: Mapping[str, Any], module: nn.Module, aliases: Mapping[str, str] | None = None,
+                          state: bool = False) -> dict[str, Any]:
+    """Whole tensors saved by name -> this process's shards, wherever ``module``'s tensor of that name is a DTensor.
+
+    Args:
+        values: name -> tensor (``state=False``: a model state) or name -> dict of tensors (``state=True``: the
+            optimizer state of each parameter; only the entries shaped like the parameter, e.g. Adam's moments,
+            are sharded, a scalar ``step`` stays as it is).
+        module: this process's (tensor-parallel) part of the model.
+        aliases: see :func:`parameter_names`.
+        state: whether ``values`` holds optimizer state.
+
+    No communication: every process cuts its own slice from the whole tensor it read.
+    """
+    aliases = aliases or {}
+    if state:
+        like = {aliases.get(n, n): p for n, p in module.named_parameters() if isinstance(p, DTensor)}
+    else:
+        like = {n: t for n, t in module.state_dict().items() if isinstance(t, DTensor)}
+
+    def shard(value: Any, target: DTensor) -> Any:
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == target.shape:
+            return distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements,
+                                     src_data_rank=None)
+        return value
+
+    out = dict(values)
+    for name, target in like.items():
+        if name not in out:
+            continue
+        value = out[name]
+        out[name] = {k: shard(v, target) for k, v in value.items()} if state else shard(value, target)
+    return out
 
 
 def gather_to_rank_zero(local: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -1,4 +1,5 @@
-"""Parallel layout: how processes are arranged into data-parallel replicas and pipeline stages.
+"""Parallel layout: how processes are arranged into data-parallel replicas, pipeline stages and tensor-parallel
+shards.
 
 The layout is a small validated, immutable dataclass: :meth:`ParallelLayout.resolve` turns the user's options
 (``"auto"`` included) and the world size into one, once; it maps stages to ranks both ways and builds the
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 __all__ = ["MESH_DIMS", "LayoutError", "ParallelLayout", "SCHEDULES", "schedule_style"]
 
 #: Names of the device mesh's dimensions, outermost first.
-MESH_DIMS = ("data_parallel", "pipeline_parallel")
+MESH_DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
 
 # Schedule name -> how stages sit on ranks. "single": one stage per rank; "loop": stage s on rank
 # s % pp (interleaved); "v": rank r holds stages r and 2*pp-1-r (V-shaped). Names as torch spells them.
@@ -57,10 +58,11 @@ def schedule_style(name: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Data parallel x pipeline parallel (x virtual stages per rank) arrangement of processes.
+    """Data parallel x pipeline parallel x tensor parallel (x virtual stages per rank) arrangement of processes.
 
-    Global rank ``r`` is replica ``r // pipeline_parallel_size`` and pipeline rank
-    ``r % pipeline_parallel_size`` (a row-major ``(data_parallel, pipeline_parallel)`` mesh).
+    A row-major ``(data_parallel, pipeline_parallel, tensor_parallel)`` mesh: global rank
+    ``r = (replica * pipeline_parallel_size + pipeline_rank) * tensor_parallel_size + tensor_rank``, so the
+    tensor-parallel shards of one stage are neighbouring ranks (one node, the fastest links).
 
     Attributes:
         data_parallel_size: number of model replicas; data is sharded across them only.
@@ -68,6 +70,8 @@ class ParallelLayout:
         stages_per_rank: pipeline stages held by each process (2 for interleaved / V schedules).
         schedule: a name from :data:`SCHEDULES` (case-insensitive).
         n_microbatches: microbatches per (per-replica) batch.
+        tensor_parallel_size: processes one stage's weight matrices are split over (vocabulary-parallel
+            embedding and decoder); every one of them runs the same pipeline on the same batch.
     """
 
     data_parallel_size: int = 1
@@ -75,9 +79,11 @@ class ParallelLayout:
     stages_per_rank: int = 1
     schedule: str = "1F1B"
     n_microbatches: int = 1
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for field_name in ("data_parallel_size", "pipeline_parallel_size", "stages_per_rank", "n_microbatches"):
+        for field_name in ("data_parallel_size", "pipeline_parallel_size", "stages_per_rank", "n_microbatches",
+                           "tensor_parallel_size"):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{field_name} must be a positive integer, got {value!r}")
@@ -116,8 +122,8 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        """Processes the layout needs: data_parallel_size x pipeline_parallel_size."""
-        return self.data_parallel_size * self.pipeline_parallel_size
+        """Processes the layout needs: data_parallel_size x pipeline_parallel_size x tensor_parallel_size."""
+        return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
     def num_stages(self) -> int:
@@ -132,9 +138,10 @@ class ParallelLayout:
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`LayoutError` unless the layout uses exactly ``world_size`` processes."""
         if world_size != self.world_size:
+            tp = f" x tensor_parallel_size={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
             raise LayoutError(
                 f"the layout needs data_parallel_size={self.data_parallel_size} x "
-                f"pipeline_parallel_size={self.pipeline_parallel_size} = {self.world_size} processes "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}{tp} = {self.world_size} processes "
                 f"(stages_per_rank={self.stages_per_rank} adds virtual stages, not processes), "
                 f"but the world size is {world_size}"
             )
@@ -158,8 +165,21 @@ class ParallelLayout:
         return [pipeline_rank + k * pp for k in range(spr)]
 
     def coordinates(self, global_rank: int) -> tuple[int, int]:
-        """``(data_parallel_rank, pipeline_rank)`` of a global rank."""
-        return divmod(global_rank, self.pipeline_parallel_size)
+        """``(data_parallel_rank, pipeline_rank)`` of a global rank (its tensor-parallel rank left out)."""
+        return divmod(global_rank // self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    def tensor_rank(self, global_rank: int) -> int:
+        """The tensor-parallel rank of a global rank: which shard of its stage's split weights it holds."""
+        return global_rank % self.tensor_parallel_size
+
+    def global_rank(self, data_parallel_rank: int, pipeline_rank: int, tensor_rank: int = 0) -> int:
+        """The global rank at ``(data_parallel_rank, pipeline_rank, tensor_rank)`` of the mesh."""
+        return (data_parallel_rank * self.pipeline_parallel_size + pipeline_rank) * self.tensor_parallel_size \
+            + tensor_rank
+
+    def mesh_coordinates(self, global_rank: int) -> tuple[int, int, int]:
+        """``(data_parallel_rank, pipeline_rank, tensor_rank)`` of a global rank (its place in the mesh)."""
+        return (*self.coordinates(global_rank), self.tensor_rank(global_rank))
 
     def rank_of_stage(self, stage: int) -> int:
         """The pipeline rank that holds stage ``stage`` (the inverse of :meth:`stage_indices`)."""
@@ -177,16 +197,19 @@ class ParallelLayout:
         stages_per_rank: int | None = None,
         schedule: str = "1F1B",
         n_microbatches: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> ParallelLayout:
         """The layout for ``world_size`` processes from the user's options.
 
         Args:
             world_size: processes in the job.
             data_parallel_size: replicas of the pipeline.
-            pipeline_parallel_size: processes per pipeline; ``"auto"``: ``world_size / data_parallel_size``.
+            pipeline_parallel_size: processes per pipeline; ``"auto"``: ``world_size / (data_parallel_size x
+                tensor_parallel_size)``.
             stages_per_rank: stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and V schedules.
             schedule: a name from :data:`SCHEDULES` (case-insensitive).
             n_microbatches: microbatches per replica batch; ``None``: the number of stages.
+            tensor_parallel_size: processes each stage's split weights are sharded over.
 
         Raises:
             LayoutError: the options do not fit together or do not use exactly ``world_size`` processes.
@@ -194,30 +217,36 @@ class ParallelLayout:
         dp = data_parallel_size
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
             raise LayoutError(f"data_parallel_size must be a positive integer, got {dp!r}")
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise LayoutError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if pipeline_parallel_size == "auto":
-            if world_size % dp:
+            if world_size % (dp * tp):
+                allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
                 raise LayoutError(
-                    f"data_parallel_size={dp} does not divide the world size {world_size}; "
-                    f"allowed: {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+                    f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp} does not divide the world "
+                    f"size {world_size}; allowed products: {allowed}"
+                    if tp > 1 else
+                    f"data_parallel_size={dp} does not divide the world size {world_size}; allowed: {allowed}"
                 )
-            pipeline_parallel_size = world_size // dp
+            pipeline_parallel_size = world_size // (dp * tp)
         _, style = schedule_style(schedule)
         spr = stages_per_rank if stages_per_rank is not None else (1 if style == "single" else 2)
         stages = pipeline_parallel_size * spr if isinstance(pipeline_parallel_size, int) else 1
         m = n_microbatches if n_microbatches is not None else stages
-        layout = cls(dp, pipeline_parallel_size, spr, schedule, m)
+        layout = cls(dp, pipeline_parallel_size, spr, schedule, m, tp)
         layout.check_world_size(world_size)
         return layout
 
     def build_mesh(self, device_type: str, backend: str, timeout: timedelta) -> DeviceMesh:
-        """The ``(data_parallel, pipeline_parallel)`` device mesh; its sub-groups get ``timeout`` too.
+        """The ``(data_parallel, pipeline_parallel, tensor_parallel)`` device mesh; its sub-groups get ``timeout`` too.
 
         ``init_device_mesh`` creates sub-groups with torch's 30-minute default timeout, whatever the default
         group's, so a crashed rank would hang the other replicas' pipelines; the backend options fix that.
         """
         return init_device_mesh(
             device_type,
-            (self.data_parallel_size, self.pipeline_parallel_size),
+            (self.data_parallel_size, self.pipeline_parallel_size, self.tensor_parallel_size),
             mesh_dim_names=MESH_DIMS,
             backend_override=_timeout_options(backend, timeout),
         )

@@ -13,13 +13,15 @@ import math
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_mp_lstm import costs
 
@@ -40,9 +42,12 @@ class _Embedding(nn.Embedding):
     def __init__(self, vocab_size: int, embedding_dim: int, dropout: float) -> None:
         super().__init__(vocab_size, embedding_dim)
         self.dropout = nn.Dropout(dropout)
+        #: Set once the rows are sharded: dropout then runs in a forward hook after the all-reduce of the lookup.
+        self.dropout_after_hooks = False
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.dropout(super().forward(tokens))
+        out = super().forward(tokens)
+        return out if self.dropout_after_hooks else self.dropout(out)
 
 
 class _LSTMLayer(nn.LSTM):
@@ -217,8 +222,75 @@ class LSTMLanguageModel(pl.LightningModule):
         return torch.randint(1, self.hparams.vocab_size, (rows, length), device=device)
 
     def microbatch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy over the real (non-padding) target tokens."""
+        """Summed cross-entropy over the real (non-padding) target tokens.
+
+        With a vocabulary-parallel decoder (:meth:`parallelize_vocabulary`) ``outputs`` are logits sharded on the
+        vocabulary; the loss is then computed by ``loss_parallel`` (enter :meth:`loss_context` around the forward
+        *and* backward) without gathering them, and returned as a plain tensor, equal on every shard.
+        """
+        if isinstance(outputs, DTensor):
+            logits = outputs.flatten(0, 1).float()
+            target = DTensor.from_local(targets.flatten(), outputs.device_mesh, [Replicate()], run_check=False)
+            loss = F.cross_entropy(logits, target, ignore_index=0, reduction="sum")
+            return loss.to_local() if isinstance(loss, DTensor) else loss
         return token_loss_sum(outputs, targets)
+
+    # ----- tensor parallel ------------------------------------------------------------------------
+    def check_tensor_parallel(self, size: int) -> None:
+        """Raise ``ValueError`` unless the vocabulary layers can be split over ``size`` processes.
+
+        The vocabulary must be a multiple of ``size`` (every shard holds as many rows of the embedding and of
+        the decoder: ``LMDataModule`` vocabularies are not padded on their own), and tied weights are not split.
+        """
+        hp = self.hparams
+        if size > 1 and hp.vocab_size % size:
+            nearest = -(-hp.vocab_size // size) * size
+            raise ValueError(
+                f"tensor_parallel_size={size} splits the vocabulary into equal shards, but vocab_size="
+                f"{hp.vocab_size} is not a multiple of {size}; use a tensor_parallel_size that divides it "
+                f"({[d for d in range(1, min(hp.vocab_size, 64) + 1) if hp.vocab_size % d == 0]}) or pad the "
+                f"vocabulary to {nearest} words (ids the data never uses)"
+            )
+        if size > 1 and hp.tie_weights:
+            raise ValueError(
+                f"tensor_parallel_size={size} does not split tied embedding and decoder weights; use "
+                "tie_weights=False or tensor_parallel_size=1"
+            )
+
+    def tensor_parallel_blocks(self) -> list[str]:
+        """The blocks :meth:`parallelize_vocabulary` splits (every parameter of them): embedding and decoder."""
+        return ["embedding", "decoder"]
+
+    def parallelize_vocabulary(self, mesh: DeviceMesh) -> None:
+        """Split the vocabulary layers this process holds over the one-dimensional ``mesh``.
+
+        With torch's tensor-parallel API (``parallelize_module``): the decoder column-wise (each process computes
+        the logits of its slice of the vocabulary, left sharded for ``loss_parallel``), the embedding row-wise
+        (each process looks up the words of its slice, the partial sums are all-reduced). Every other block is
+        replicated: its gradients are equal on every shard. Call it after the blocks have their values.
+        """
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        self.check_tensor_parallel(mesh.size())
+        if mesh.size() == 1:
+            return
+        if self.decoder is not None:
+            parallelize_module(self.decoder, mesh,
+                               ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+        if self.embedding is not None:
+            parallelize_module(self.embedding, mesh,
+                               RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+            # Dropout after the lookup's all-reduce (a forward hook after torch's), on a plain tensor.
+            self.embedding.dropout_after_hooks = True
+            self.embedding.register_forward_hook(lambda module, args, out: module.dropout(out))
+
+    def loss_context(self) -> AbstractContextManager[Any]:
+        """The context the loss's forward and backward run in: ``loss_parallel`` when the decoder is split."""
+        if self.decoder is not None and isinstance(self.decoder.weight, DTensor):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
 
     def loss_weight(self, targets: torch.Tensor) -> torch.Tensor:
         """The number of real (non-padding) target tokens."""
@@ -230,7 +302,9 @@ class LSTMLanguageModel(pl.LightningModule):
                 torch.cat([targets, targets.new_zeros((rows, *targets.shape[1:]))]))
 
     def predictions(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """See :meth:`predict_step`."""
+        """See :meth:`predict_step` (vocabulary-sharded logits are gathered first: prediction needs every word)."""
+        if isinstance(outputs, DTensor):
+            outputs = outputs.full_tensor()
         return prediction_from_logits(outputs, targets)
 
     def analytic_costs(self, kind: str, rows: int, length: int) -> dict[str, float]:
@@ -394,12 +468,15 @@ class LSTMLanguageModel(pl.LightningModule):
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
         name = hp.optimizer.lower()
+        # torch's multi-tensor kernels refuse a list that mixes sharded (DTensor) and plain parameters.
+        foreach = False if any(isinstance(p, DTensor) for p in params) else None
         if name == "sgd":
-            opt = torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+            opt = torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay,
+                                  foreach=foreach)
         elif name == "adam":
-            opt = torch.optim.Adam(params, lr=hp.lr, weight_decay=hp.weight_decay)
+            opt = torch.optim.Adam(params, lr=hp.lr, weight_decay=hp.weight_decay, foreach=foreach)
         else:
-            opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
+            opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, foreach=foreach)
         if hp.lr_decay == 1.0:
             return opt
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, gamma=hp.lr_decay)}

@@ -19,11 +19,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
 
 from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.timeline import RECORDER
 
-__all__ = ["PipelineRunner", "StageModule", "StageRandomness", "all_reduce_gradients", "build_pipeline"]
+__all__ = ["PipelineRunner", "StageModule", "StageRandomness", "all_reduce_gradients", "build_pipeline", "local_tensor"]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a ``DTensor`` (the same storage), or ``tensor`` itself when it is a plain one."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -258,16 +264,18 @@ class PipelineRunner:
         self._divisor = (n_tokens * scale).clamp(min=1).to(torch.float32)
         losses: list[torch.Tensor] = []
         if self.layout.pipeline_parallel_size == 1:
-            loss = self._run_local(inputs, targets, train)
+            with self._loss_context():
+                loss = self._run_local(inputs, targets, train)
         else:
             schedule = self._schedule(inputs.shape, "train" if train else "eval")
             args = (inputs,) if self.has_first_stage else ()
             target = targets if self.has_last_stage else None
-            if train:
-                schedule.step(*args, target=target, losses=losses, return_outputs=False)
-            else:
-                with torch.no_grad():
-                    schedule.eval(*args, target=target, losses=losses)
+            with self._loss_context():  # forward and backward of a vocabulary-parallel loss run inside it
+                if train:
+                    schedule.step(*args, target=target, losses=losses, return_outputs=False)
+                else:
+                    with torch.no_grad():
+                        schedule.eval(*args, target=target, losses=losses)
             loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
             loss = self._broadcast_from_last(loss)
         loss = self._all_reduce_dp(loss) * scale
@@ -338,6 +346,11 @@ class PipelineRunner:
         inputs, targets = batch[0], batch[1]
         extra = -int(inputs.shape[0]) % self.layout.n_microbatches
         return self.model.pad_rows(inputs, targets, extra) if extra else (inputs, targets)
+
+    def _loss_context(self) -> AbstractContextManager[Any]:
+        # Optional in the contract: a model whose loss needs a context (torch's loss_parallel) gives it.
+        make = getattr(self.model, "loss_context", None)
+        return make() if make is not None else nullcontext()
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.model.microbatch_loss(logits, targets) / self._divisor
@@ -451,9 +464,10 @@ def all_reduce_gradients(parameters: Any, group: dist.ProcessGroup | None) -> No
     """Sum the gradients of ``parameters`` over ``group`` in one flat all-reduce.
 
     Called once per optimizer step across data-parallel replicas: each replica's loss is already
-    divided by the global token count, so the sum is the gradient of the global batch's mean loss.
+    divided by the global token count, so the sum is the gradient of the global batch's mean loss. A sharded
+    (tensor-parallel) gradient is reduced as its local shard: the replicas of a shard hold the same slice.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
     if not grads or group is None or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

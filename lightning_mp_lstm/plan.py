@@ -164,6 +164,8 @@ class PipelinePlan:
         block_memory: ``(block, bytes of parameters, gradients and optimizer state)`` pairs in model order.
         microbatch_rows: sequences per microbatch the costs were measured for; ``length`` their length.
         predictions: ``(m, predicted seconds per step)`` for every count ``n_microbatches="auto"`` weighed.
+        split_blocks: the blocks whose parameters are split over the ``layout.tensor_parallel_size`` processes of
+            their stage (each holds ``1 / tensor_parallel_size`` of them); empty without tensor parallelism.
     """
 
     layout: ParallelLayout
@@ -176,6 +178,7 @@ class PipelinePlan:
     length: int
     stage_speeds: tuple[float, ...] | None = None
     predictions: tuple[tuple[int, float], ...] | None = None
+    split_blocks: tuple[str, ...] = ()
     fingerprint: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -233,14 +236,14 @@ def microbatch_candidates(layout: ParallelLayout, batch_rows: int, max_microbatc
 
 
 def _measure_on_first_replica(layout: ParallelLayout, global_rank: int, measure: Any) -> list[Any]:
-    """Run ``measure(pipeline_rank)`` on the pipeline ranks of replica 0 (the others contribute ``None``) and
-    gather the results, indexed by pipeline rank. Without a process group (planning ahead in one process) this
-    process measures every pipeline rank's share itself."""
+    """Run ``measure(pipeline_rank)`` on the pipeline ranks of replica 0, tensor rank 0 (the others contribute
+    ``None``) and gather the results, indexed by pipeline rank. Without a process group (planning ahead in one
+    process) this process measures every pipeline rank's share itself."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [measure(rank) for rank in range(layout.pipeline_parallel_size)]
-    replica, pipeline_rank = layout.coordinates(global_rank)
-    results = gather(lambda: measure(pipeline_rank) if replica == 0 else None)
-    return results[: layout.pipeline_parallel_size]
+    replica, pipeline_rank, tensor_rank = layout.mesh_coordinates(global_rank)
+    results = gather(lambda: measure(pipeline_rank) if replica == 0 and tensor_rank == 0 else None)
+    return [results[layout.global_rank(0, rank)] for rank in range(layout.pipeline_parallel_size)]
 
 
 def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_rows: int, length: int,
@@ -300,5 +303,7 @@ def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_ro
         length=length,
         stage_speeds=options.stage_speeds,
         predictions=predictions,
+        split_blocks=tuple(model.tensor_parallel_blocks()) if layout.tensor_parallel_size > 1 and hasattr(
+            model, "tensor_parallel_blocks") else (),
     )
     return result_from(0, lambda: plan)  # rank 0's plan, everywhere

@@ -58,13 +58,22 @@ def _compact(blocks: Sequence[str]) -> str:
 
 
 def stage_summary(plan: PipelinePlan) -> dict[str, list[float]]:
-    """Per-stage totals of the plan: ``costs``, ``parameters``, ``memory`` (bytes) and the ``even`` split's costs."""
+    """Per-stage totals of the plan: ``costs``, ``parameters``, ``memory`` (bytes) and the ``even`` split's costs.
+
+    With tensor parallelism ``parameters`` and ``memory`` are those of one process of the stage: a split block
+    counts ``1 / tensor_parallel_size`` of its own.
+    """
     costs, names = dict(plan.block_costs), [name for name, _ in plan.block_costs]
     even = even_partition(names, len(plan.partition))
+    tp = plan.layout.tensor_parallel_size
+
+    def per_rank(pairs: Sequence[tuple[str, float]]) -> dict[str, float]:
+        return {name: value / tp if name in plan.split_blocks else value for name, value in pairs}
+
     return {
         "costs": stage_totals(plan.partition, costs),
-        "parameters": stage_totals(plan.partition, dict(plan.block_parameters)),
-        "memory": stage_totals(plan.partition, dict(plan.block_memory)),
+        "parameters": stage_totals(plan.partition, per_rank(plan.block_parameters)),
+        "memory": stage_totals(plan.partition, per_rank(plan.block_memory)),
         "even": stage_totals(even, costs),
     }
 
@@ -74,12 +83,17 @@ def render(plan: PipelinePlan, measurements: Measurements | None = None) -> str:
     summary = stage_summary(plan)
     speeds = plan.stage_speeds or (1.0,) * len(plan.partition)
     measured = measurements.stage_seconds if measurements is not None else None
-    header = ["stage", "blocks", "params", "memory MiB", f"{plan.cost_kind} %"] + (["measured %"] if measured else [])
+    tp = plan.layout.tensor_parallel_size
+    per = "/rank" if tp > 1 else ""
+    header = ["stage", "blocks", f"params{per}", f"memory MiB{per}", f"{plan.cost_kind} %"] + (
+        ["measured %"] if measured else [])
     cost_shares = _shares(summary["costs"])
     measured_shares = _shares(measured) if measured else None
     rows = []
     for s, blocks in enumerate(plan.partition):
-        row = [str(s), _compact(blocks), f"{int(summary['parameters'][s]):,}", f"{summary['memory'][s] / 2**20:.1f}",
+        split = [b for b in blocks if b in plan.split_blocks]
+        shown = _compact(blocks) + (f" ({', '.join(split)} split /{tp})" if split else "")
+        row = [str(s), shown, f"{int(summary['parameters'][s]):,}", f"{summary['memory'][s] / 2**20:.1f}",
                f"{100 * cost_shares[s]:.1f}"]
         if measured_shares:
             row.append(f"{100 * measured_shares[s]:.1f}")

@@ -39,6 +39,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm import profile, report
@@ -46,7 +47,7 @@ from lightning_mp_lstm.contract import check_data, check_model
 from lightning_mp_lstm.faults import PeerDirectory, gather, result_from
 from lightning_mp_lstm.launcher import JobLauncher
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout, schedule_style
-from lightning_mp_lstm.pipeline import all_reduce_gradients, build_pipeline
+from lightning_mp_lstm.pipeline import all_reduce_gradients, build_pipeline, local_tensor
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
 from lightning_mp_lstm.tied import TiedWeights, shared_parameter_aliases
 
@@ -63,6 +64,9 @@ class MPLSTMStrategy(ParallelStrategy):
         pipeline_parallel_size: processes per pipeline; ``"auto"``: from the partition's stage count when it
             has one (explicit lists, ``"per_block"``), else world size / ``data_parallel_size``.
         data_parallel_size: number of pipeline replicas; data is sharded across replicas only.
+        tensor_parallel_size: processes every stage's vocabulary layers (embedding rows, decoder columns) are
+            split over with torch's tensor-parallel API; the loss is computed on the sharded logits
+            (``loss_parallel``). The model must offer ``parallelize_vocabulary`` (``LSTMLanguageModel`` does).
         data_parallel_weights: relative batch share of each replica, for unequal devices (the seed's
             ``work_load_list``); gradients stay exact because the loss is divided by the global batch's weight.
         stages_per_rank: pipeline stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and
@@ -95,6 +99,7 @@ class MPLSTMStrategy(ParallelStrategy):
         self,
         pipeline_parallel_size: int | str = "auto",
         data_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
         data_parallel_weights: Sequence[float] | None = None,
         stages_per_rank: int | None = None,
         schedule: str = "1F1B",
@@ -127,9 +132,10 @@ class MPLSTMStrategy(ParallelStrategy):
             n_microbatches=n_microbatches,
         )
         _check_process_options(pipeline_parallel_size, data_parallel_size, data_parallel_weights, schedule,
-                               timeout, num_threads)
+                               timeout, num_threads, tensor_parallel_size)
         self._pipeline_parallel_size = pipeline_parallel_size
         self._data_parallel_size = data_parallel_size
+        self._tensor_parallel_size = tensor_parallel_size
         self._data_parallel_weights = list(data_parallel_weights) if data_parallel_weights is not None else None
         self._stages_per_rank = stages_per_rank
         self._schedule = schedule
@@ -153,7 +159,7 @@ class MPLSTMStrategy(ParallelStrategy):
         self._aliases: dict[str, str] = {}
         self._tied = TiedWeights()
         if pipeline_parallel_size != "auto":
-            self._resolve_layout(int(pipeline_parallel_size) * int(data_parallel_size))
+            self._resolve_layout(int(pipeline_parallel_size) * int(data_parallel_size) * int(tensor_parallel_size))
 
     # ----- layout and plan -------------------------------------------------------------------------
     def _resolve_layout(self, world_size: int) -> ParallelLayout:
@@ -166,7 +172,7 @@ class MPLSTMStrategy(ParallelStrategy):
             m = self._options.n_microbatches
             layout = ParallelLayout.resolve(
                 world_size, self._data_parallel_size, self._pipeline_parallel_size, self._stages_per_rank,
-                self._schedule, m if isinstance(m, int) else None,
+                self._schedule, m if isinstance(m, int) else None, self._tensor_parallel_size,
             )
             weights = self._data_parallel_weights
             if weights is not None and len(weights) != layout.data_parallel_size:
@@ -180,7 +186,7 @@ class MPLSTMStrategy(ParallelStrategy):
     def processes_for(self, model: Any) -> int | None:
         """The number of processes this strategy needs for ``model``, when its options determine it (an explicit
         ``pipeline_parallel_size``, or a partition with a stage count); else ``None``: the Trainer's devices."""
-        dp = int(self._data_parallel_size)
+        dp = int(self._data_parallel_size) * int(self._tensor_parallel_size)
         if self._pipeline_parallel_size != "auto":
             return dp * int(self._pipeline_parallel_size)
         check_model(model)
@@ -227,7 +233,7 @@ class MPLSTMStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``(data_parallel, pipeline_parallel)`` device mesh."""
+        """The ``(data_parallel, pipeline_parallel, tensor_parallel)`` device mesh."""
         if self._device_mesh is None:
             raise RuntimeError("the device mesh exists once the process group is initialized")
         return self._device_mesh
@@ -239,6 +245,11 @@ class MPLSTMStrategy(ParallelStrategy):
     @property
     def data_parallel_rank(self) -> int:
         return self.layout.coordinates(self.global_rank)[0]
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """Which shard of its stage's split weights this process holds."""
+        return self.layout.tensor_rank(self.global_rank)
 
     # ----- Lightning plumbing ----------------------------------------------------------------------
     @property
@@ -351,6 +362,15 @@ class MPLSTMStrategy(ParallelStrategy):
             )
         layout, options = self.layout, self._options
         options.check(model.block_names, layout)
+        if layout.tensor_parallel_size > 1:
+            if not hasattr(model, "parallelize_vocabulary"):
+                raise TypeError(
+                    f"tensor_parallel_size={layout.tensor_parallel_size} needs a model that splits its layers "
+                    f"(parallelize_vocabulary(mesh), as LSTMLanguageModel has); {type(model).__name__} has none"
+                )
+            check = getattr(model, "check_tensor_parallel", None)
+            if check is not None:
+                check(layout.tensor_parallel_size)
         if self._plan is not None:
             return  # planned at fit: validate/test/predict keep the plan
         measured = options.partition == "balanced" and options.balance_by == "time"
@@ -404,6 +424,8 @@ class MPLSTMStrategy(ParallelStrategy):
             seed=torch.initial_seed(),  # Lightning's seed_everything value, re-applied by reset_seed()
             data_parallel_rank=self.data_parallel_rank,
         )
+        if plan.layout.tensor_parallel_size > 1:
+            model.parallelize_vocabulary(mesh["tensor_parallel"])
         if trainer.state.fn == TrainerFn.FITTING:
             self._tied = TiedWeights.build(model, self._aliases, plan.layout)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -526,14 +548,22 @@ class MPLSTMStrategy(ParallelStrategy):
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float | int) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in self._tied.in_norm(params)]  # a tied weight's copies count once
-        if grads:
-            local = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        else:
-            local = torch.zeros((), device=self.root_device)
-        squared = local.to(self.root_device, torch.float32).pow(2)
+        # Sharded gradients: the squares of every shard are summed over the tensor-parallel group; replicated
+        # ones (equal on every shard) are counted once.
+        sharded = [local_tensor(g) for g in grads if isinstance(g, DTensor)]
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        squared = _squared_norm(plain, self.root_device)
+        if sharded:
+            shards = _squared_norm(sharded, self.root_device)
+            dist.all_reduce(shards, group=self.device_mesh["tensor_parallel"].get_group())
+            squared = squared + shards
         if self.layout.pipeline_parallel_size > 1:
             dist.all_reduce(squared, group=self.device_mesh["pipeline_parallel"].get_group())
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, squared.sqrt())
+        norm = squared.sqrt()
+        coefficient = torch.clamp(float(clip_val) / (norm + 1e-6), max=1.0)
+        for p in params:
+            grad = local_tensor(p.grad)
+            grad.mul_(coefficient.to(grad.device, grad.dtype))
 
     # ----- collectives -----------------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
@@ -565,8 +595,8 @@ class MPLSTMStrategy(ParallelStrategy):
         Sharded: this process's own tensors (nothing is gathered)."""
         local = self.lightning_module.state_dict()
         if self._checkpoint_format == "sharded":
-            return local
-        parts = ckpt.gather_to_rank_zero(local)
+            return local  # torch.distributed.checkpoint writes tensor-parallel shards as they are
+        parts = ckpt.gather_to_rank_zero(ckpt.full_tensors(local))  # one process's whole tensors
         if parts is None:
             return {}
         merged = {k: v for part in parts for k, v in part.items()}
@@ -580,7 +610,7 @@ class MPLSTMStrategy(ParallelStrategy):
         local = ckpt.optimizer_state_by_name(inner, self.lightning_module, self._aliases)
         if self._checkpoint_format == "sharded":
             return local
-        parts = ckpt.gather_to_rank_zero(local)
+        parts = ckpt.gather_to_rank_zero(ckpt.full_tensors(local))
         blocks = self.lightning_module.block_names
         return ckpt.merge_optimizer_states(parts, block_names=blocks) if parts is not None else {}
 
@@ -618,12 +648,14 @@ class MPLSTMStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module
         own = ckpt.local_model_state(module, checkpoint["state_dict"], strict=strict, full_keys=self._full_state_keys)
-        module.load_state_dict(own, strict=strict)
+        module.load_state_dict(ckpt.shard_like_parameters(own, module), strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         names = self._full_parameter_names or [name for name, _ in self.lightning_module.named_parameters()]
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             state = ckpt.name_keyed_optimizer_state(state, names)  # a one-process checkpoint is keyed by position
+            shards = ckpt.shard_like_parameters(state["state"], self.lightning_module, self._aliases, state=True)
+            state = {**state, "state": shards}
             ckpt.load_local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, state,
                                             self._aliases)
 
@@ -655,12 +687,19 @@ class MPLSTMStrategy(ParallelStrategy):
             )
 
 
+def _squared_norm(grads: list[Tensor], device: torch.device) -> Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).to(device, torch.float32).pow(2)
+
+
 def _check_process_options(pipeline_parallel_size: Any, data_parallel_size: Any, weights: Any, schedule: str,
-                           timeout: Any, num_threads: Any) -> None:
+                           timeout: Any, num_threads: Any, tensor_parallel_size: Any = 1) -> None:
     """Reject process options that can never work, when the strategy is built (on every rank, before any process
     group exists); checks that need the model or the world size run in ``setup_environment``."""
-    for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("data_parallel_size", data_parallel_size)):
-        if value != "auto" or name == "data_parallel_size":
+    for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("data_parallel_size", data_parallel_size),
+                        ("tensor_parallel_size", tensor_parallel_size)):
+        if value != "auto" or name != "pipeline_parallel_size":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 allowed = "a positive integer or 'auto'" if name == "pipeline_parallel_size" else "a positive integer"
                 raise LayoutError(f"{name} must be {allowed}, got {value!r}")

@@ -71,6 +71,12 @@ EXPECTED: dict[tuple[str, str], dict[str, Any]] = {
     ("layout", "pp2"): {"strategy.data_parallel_size": 1, "strategy.pipeline_parallel_size": 2},
     ("layout", "pp4"): {"strategy.data_parallel_size": 1, "strategy.pipeline_parallel_size": 4},
     ("layout", "single"): {"strategy.data_parallel_size": 1, "strategy.pipeline_parallel_size": 1},
+    ("layout", "tp2"): {"strategy.data_parallel_size": 1, "strategy.pipeline_parallel_size": 1,
+                        "strategy.tensor_parallel_size": 2},
+    ("layout", "pp2_tp2"): {"strategy.data_parallel_size": 1, "strategy.pipeline_parallel_size": 2,
+                            "strategy.tensor_parallel_size": 2},
+    ("layout", "dp2_tp2"): {"strategy.data_parallel_size": 2, "strategy.pipeline_parallel_size": 1,
+                            "strategy.tensor_parallel_size": 2},
     ("logger", "csv"): {"logger.csv.name": "logs", "logger.csv.version": "",
                         "logger.csv.save_dir": f"{CHECKPOINTS}/.."},
     ("logger", "tensorboard"): {"logger.tensorboard.name": "tensorboard", "logger.csv": None},
@@ -224,12 +230,19 @@ def _resolve(*overrides: str) -> tuple[MPLSTMStrategy, pl.LightningModule, pl.Tr
         (["partition=manual", "partition.stages=[[embedding,lstm.0],[lstm.1,decoder]]"], (1, 2, 1), 2),
         (["trainer.devices=1", "trainer.num_nodes=2", "layout=pp2"], (1, 2, 1), 1),
         (["trainer.num_nodes=2", "layout=dp2_pp2"], (2, 2, 1), 2),  # devices count processes per node
+        (["layout=tp2"], (1, 1, 1), 2),
+        (["layout=pp2_tp2"], (1, 2, 1), 4),
+        (["layout=dp2_tp2"], (2, 1, 1), 4),
+        (["layout=pp2", "layout.tensor_parallel_size=2", "trainer.num_nodes=2"], (1, 2, 1), 2),
     ],
 )
 def test_layouts_resolve_through_the_strategy(overrides, expected, devices):
     strategy, model, trainer = _resolve(*overrides)
     layout = strategy.layout
     assert (layout.data_parallel_size, layout.pipeline_parallel_size, layout.stages_per_rank) == expected
+    tensor = next((int(o.rsplit("=", 1)[1]) for o in overrides if "tensor_parallel_size=" in o),
+                  2 if any(o.startswith("layout=") and o.endswith("tp2") for o in overrides) else 1)
+    assert layout.tensor_parallel_size == tensor
     assert trainer.num_devices == devices  # processes per node
     assert layout.world_size == devices * trainer.num_nodes
     needed = strategy.processes_for(model)

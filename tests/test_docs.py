@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
 PAGES = [
-    "index", "quickstart", "strategy", "architecture", "configuration", "layouts", "partitioning", "timeline",
+    "index", "quickstart", "strategy", "architecture", "configuration", "layouts", "tensor_parallel", "partitioning",
+    "timeline",
     "reliability", "data", "language_models", "generation", "benchmarks", "api", "dependencies",
 ]
 

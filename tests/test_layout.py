@@ -59,3 +59,28 @@ def test_every_torch_schedule_is_known():
     for name in SCHEDULES:
         assert get_schedule_class(name).__name__.lower().endswith(name.lower())
         assert schedule_style(name.upper())[0] == name
+
+
+def test_tensor_parallel_is_the_innermost_mesh_dimension():
+    layout = ParallelLayout(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2, n_microbatches=2)
+    assert layout.world_size == 8 and layout.num_stages == 2
+    # r = (replica * pp + pipeline_rank) * tp + tensor_rank: a stage's shards are neighbouring ranks
+    assert [layout.mesh_coordinates(r) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert all(layout.global_rank(*layout.mesh_coordinates(r)) == r for r in range(8))
+    assert layout.coordinates(7) == (1, 1) and layout.tensor_rank(7) == 1
+
+
+def test_tensor_parallel_world_size_and_resolve():
+    layout = ParallelLayout.resolve(4, data_parallel_size=1, tensor_parallel_size=2)
+    assert (layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.world_size) == (2, 2, 4)
+    with pytest.raises(LayoutError, match=r"pipeline_parallel_size=1 x tensor_parallel_size=2 = 2 .*world size is 3"):
+        ParallelLayout(tensor_parallel_size=2).check_world_size(3)
+    with pytest.raises(LayoutError, match=r"data_parallel_size=2 x tensor_parallel_size=2 = 4 does not divide the "
+                                          r"world size 6; allowed products: \[1, 2, 3, 6\]"):
+        ParallelLayout.resolve(6, data_parallel_size=2, tensor_parallel_size=2)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(LayoutError, match=rf"tensor_parallel_size must be a positive integer, got {bad!r}"):
+            ParallelLayout(tensor_parallel_size=bad)
+        with pytest.raises(LayoutError, match="tensor_parallel_size must be a positive integer"):
+            ParallelLayout.resolve(2, tensor_parallel_size=bad)
