@@ -3,6 +3,11 @@
 The strategy is plumbing: it splits any model that honours :class:`PipelineModel` (a chain of named blocks)
 and never looks inside the blocks. :class:`~lightning_mp_lstm.model.LSTMLanguageModel` implements it. A model
 that lacks a member gets a ``TypeError`` naming every missing one (:func:`check_model`).
+
+Optional members, used when present: ``microbatch_context(index)`` (entered around every stage forward with the
+microbatch's index: per-row recurrent state across batches), ``loss_context()`` (around the loss's forward and
+backward: torch's ``loss_parallel``), and for ``tensor_parallel_size > 1`` ``parallelize_vocabulary(mesh)``
+(required then), ``check_tensor_parallel(size)`` and ``tensor_parallel_blocks()``.
 """
 
 from __future__ import annotations
