@@ -274,10 +274,11 @@ class LSTMLanguageModel(pl.LightningModule):
         self.check_tensor_parallel(mesh.size())
         if mesh.size() == 1:
             return
-        if self.decoder is not None:
+        # Idempotent: the strategy sets up again for validate/test/predict after fit, on the split model.
+        if self.decoder is not None and not isinstance(self.decoder.weight, DTensor):
             parallelize_module(self.decoder, mesh,
                                ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
-        if self.embedding is not None:
+        if self.embedding is not None and not isinstance(self.embedding.weight, DTensor):
             parallelize_module(self.embedding, mesh,
                                RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
             # Dropout after the lookup's all-reduce (a forward hook after torch's), on a plain tensor.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -24,6 +25,7 @@ from tests.helpers import (
     FixedBatches,
     TrainLosses,
     assert_ranks_match,
+    assert_same_predictions,
     quiet_trainer,
     rel_error,
     run_ranks,
@@ -48,7 +50,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-class FullGradients(TrainLosses.__base__):  # a pl.Callback
+class FullGradients(pl.Callback):
     """Every gradient before each optimizer step, the shards of a split one gathered (a collective on the shards)."""
 
     def __init__(self) -> None:
@@ -67,9 +69,12 @@ def _fit(strategy: Any, devices: int, checkpoint: str | None = None) -> dict:
     if checkpoint is not None:
         trainer.save_checkpoint(checkpoint)
     params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    validated = trainer.validate(model, datamodule=FixedBatches(), verbose=False)[0]["val/loss"]
+    predictions = trainer.predict(model, datamodule=FixedBatches())
     sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    return {"params": params, "losses": losses.values, "grads": grads.steps, "sharded": sharded, "local": local}
+    return {"params": params, "losses": losses.values, "grads": grads.steps, "sharded": sharded, "local": local,
+            "validated": validated, "predictions": predictions}
 
 
 def _worker(rank: int, world_size: int, kwargs: dict, checkpoint: str | None) -> dict:
@@ -102,6 +107,9 @@ def test_tensor_parallel_layouts_match_one_process(layout, reference, tmp_path):
             for name, grad in got.items():
                 error = rel_error(grad, expected[name])
                 assert error < 1e-5, f"rank {rank} step {step} {name}: relative error {error:.2e}"
+        # Evaluation and prediction (which gathers the vocabulary-sharded logits) are one process's too.
+        assert r["validated"] == pytest.approx(reference["validated"], rel=1e-5), rank
+        assert_same_predictions(r["predictions"], reference["predictions"])
     # The checkpoint is one process's: full tensors under the one-process names, Adam's state too.
     saved = read_checkpoint(checkpoint)
     one_process = _model()
@@ -163,6 +171,26 @@ def test_checkpoints_round_trip_across_tensor_parallel_degrees(tmp_path):
     assert_ranks_match(run_ranks(_resume, 2, dict(pipeline_parallel_size=2, n_microbatches=2), tp_ckpt,
                                  timeout=120), expected)
     assert_ranks_match(run_ranks(_resume, 4, LAYOUTS["pp2_tp2"][1], one_ckpt, timeout=120), expected)
+
+
+def _train_and_save_sharded(rank: int, world_size: int, kwargs: dict, checkpoint: str) -> None:
+    warnings.filterwarnings("ignore")
+    strategy = MPLSTMStrategy(report_after_steps=None, timeout=60, checkpoint_format="sharded", **kwargs)
+    trainer = quiet_trainer(strategy, world_size, max_steps=STEPS, gradient_clip_val=0.05)
+    trainer.fit(_model(), datamodule=FixedBatches())
+    trainer.save_checkpoint(checkpoint)
+
+
+@pytest.mark.timeout(200)
+def test_a_sharded_tensor_parallel_checkpoint_resumes_on_another_layout(tmp_path):
+    """Every rank of pp2 x tp2 writes its own shards; pp2 (no tensor parallelism) resumes from them exactly."""
+    one_ckpt, sharded = str(tmp_path / "one.ckpt"), str(tmp_path / "sharded.ckpt")
+    _train_and_save(0, 1, {}, one_ckpt)
+    expected = _resume(0, 1, {}, one_ckpt)
+    run_ranks(_train_and_save_sharded, 4, LAYOUTS["pp2_tp2"][1], sharded, timeout=150)
+    assert (tmp_path / "sharded.ckpt").is_dir()
+    assert_ranks_match(run_ranks(_resume, 2, dict(pipeline_parallel_size=2, n_microbatches=2), sharded,
+                                 timeout=150), expected)
 
 
 def test_partition_report_shows_each_ranks_share_of_split_blocks():
