@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
@@ -181,6 +182,23 @@ def assert_ranks_match(per_rank: list[Mapping[str, torch.Tensor]], reference: Ma
             assert error < tol, f"rank {rank} parameter {name}: relative error {error:.2e}"
         held |= set(params)
     assert held == set(reference), sorted(set(reference) ^ held)
+
+
+def assert_same_training(per_rank: list[Mapping[str, Any]], reference: Mapping[str, Any], steps: int,
+                         tol: float = 1e-5) -> None:
+    """Every rank logged the reference's loss curve (``"losses"``: ``(global_step, loss)`` pairs) and had the
+    reference's gradient of every parameter it holds before every optimizer step (``"grads"``, see
+    :class:`Gradients`), within ``tol`` relative."""
+    for rank, r in enumerate(per_rank):
+        assert [s for s, _ in r["losses"]] == [s for s, _ in reference["losses"]] and len(r["losses"]) == steps
+        for (_, loss), (_, expected) in zip(r["losses"], reference["losses"]):
+            assert loss == pytest.approx(expected, rel=tol), rank
+        assert len(r["grads"]) == len(reference["grads"]) == steps
+        for step, (got, expected) in enumerate(zip(r["grads"], reference["grads"])):
+            assert got, (rank, step)
+            for name, grad in got.items():
+                error = rel_error(grad, expected[name])
+                assert error < tol, f"rank {rank} step {step} {name}: relative error {error:.2e}"
 
 
 def assert_same_predictions(got: list[dict], expected: list[dict]) -> None:

@@ -20,7 +20,15 @@ import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.data import LMDataModule
 from lightning_mp_lstm.data.stream import TokenStream
-from tests.helpers import Gradients, TrainLosses, assert_ranks_match, quiet_trainer, rel_error, run_ranks, tiny_model
+from tests.helpers import (
+    Gradients,
+    TrainLosses,
+    assert_ranks_match,
+    assert_same_training,
+    quiet_trainer,
+    run_ranks,
+    tiny_model,
+)
 
 ROWS, BPTT, STEPS = 8, 6, 5
 DATA = {"source": "synthetic", "mode": "stream", "batch_size": ROWS, "bptt": BPTT, "eval_batch_size": 4, "seed": 2,
@@ -89,15 +97,8 @@ def test_stream_mode_with_carried_state_matches_one_process(layout, reference):
     processes, kwargs = LAYOUTS[layout]
     results = run_ranks(_worker, processes, kwargs, timeout=280)
     assert_ranks_match([r["params"] for r in results], reference["params"])
-    for rank, r in enumerate(results):
-        assert len(r["losses"]) == STEPS
-        for (_, loss), (_, expected) in zip(r["losses"], reference["losses"]):
-            assert loss == pytest.approx(expected, rel=1e-5), rank
-        for step, (got, expected) in enumerate(zip(r["grads"], reference["grads"])):
-            assert got
-            for name, grad in got.items():
-                error = rel_error(grad, expected[name])
-                assert error < 1e-5, f"rank {rank} step {step} {name}: relative error {error:.2e}"
+    assert_same_training(results, reference, STEPS)
+    for r in results:
         assert r["val"] == pytest.approx(reference["val"], rel=1e-5)
 
 

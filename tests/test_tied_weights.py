@@ -23,8 +23,8 @@ from tests.helpers import (
     Gradients,
     TrainLosses,
     assert_ranks_match,
+    assert_same_training,
     quiet_trainer,
-    rel_error,
     run_ranks,
     tiny_model,
 )
@@ -80,16 +80,7 @@ def test_tied_weights_on_any_layout_match_one_process(layout, reference, tmp_pat
     owners = [rank for rank, r in enumerate(results) if "decoder.weight" in r["params"]]
     assert owners and all("embedding.weight" not in results[rank]["params"] for rank in owners), \
         "the layouts under test put embedding and decoder on different processes"
-    for rank, r in enumerate(results):
-        assert [s for s, _ in r["losses"]] == [s for s, _ in reference["losses"]]
-        for (_, loss), (_, expected) in zip(r["losses"], reference["losses"]):
-            assert loss == pytest.approx(expected, rel=1e-5), rank
-        assert len(r["grads"]) == STEPS
-        for step, (got, expected) in enumerate(zip(r["grads"], reference["grads"])):
-            assert got, (rank, step)
-            for name, grad in got.items():
-                error = rel_error(grad, expected[name])
-                assert error < 1e-5, f"rank {rank} step {step} {name}: relative error {error:.2e}"
+    assert_same_training(results, reference, STEPS)
     # The checkpoint is one process's: the shared weight under both module names, its optimizer state once.
     saved = read_checkpoint(checkpoint)
     one_process = _model()
