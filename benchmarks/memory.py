@@ -10,6 +10,8 @@ Goals (issue 12): every pp4 rank <= 0.6 x the one-process peak; rank 0 <= 1.15 x
 (training, without the one-file save).
 
     python benchmarks/memory.py [--hidden 1024] [--rows 8] [--steps 2] [--json results.json]
+
+``benchmarks/run.py`` imports :func:`measure`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _worker(rank: int, world_size: int, args: dict, directory: str, fmt: str) -> dict:
+def rank_peaks(rank: int, world_size: int, args: dict, directory: str, fmt: str) -> dict:
+    """Train ``args["steps"]`` steps on this rank of a ``world_size``-stage pipeline, then save in format ``fmt``
+    into ``directory``: peak RSS (MiB) at the floor, after training and after saving, and this rank's blocks."""
     warnings.filterwarnings("ignore")
     import lightning_mp_lstm  # noqa: F401
     from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
@@ -63,6 +67,22 @@ def _worker(rank: int, world_size: int, args: dict, directory: str, fmt: str) ->
     return out
 
 
+def measure(hidden: int = 1024, rows: int = 8, steps: int = 2, layouts: dict[str, int] | None = None,
+            formats: tuple[str, ...] = ("file", "sharded"), timeout: float = 1200) -> dict[str, list[dict]]:
+    """Peaks of every rank of every layout (``name -> processes``, default :data:`LAYOUTS`), each checkpoint format
+    in fresh processes: ``{layout: [per rank: {"floor", "training", "saving", "params", "blocks", <format>: {...}}]}``
+    (the top-level numbers are the first format's)."""
+    args = {"hidden": hidden, "rows": rows, "steps": steps}
+    results = {}
+    for name, world in (layouts or LAYOUTS).items():
+        runs = {}
+        for fmt in formats:  # the peak only ever grows: each format in fresh processes
+            with tempfile.TemporaryDirectory() as directory:
+                runs[fmt] = run_ranks(rank_peaks, world, args, directory, fmt, timeout=timeout)
+        results[name] = [{**per_format[0], **dict(zip(formats, per_format))} for per_format in zip(*runs.values())]
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -70,14 +90,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    results = {}
-    for name, world in LAYOUTS.items():
-        runs = {}
-        for fmt in ("file", "sharded"):  # the peak only ever grows: each format in fresh processes
-            with tempfile.TemporaryDirectory() as directory:
-                runs[fmt] = run_ranks(_worker, world, vars(args) | {"json": None}, directory, fmt, timeout=1200)
-        results[name] = [{**file, "file": file, "sharded": sharded} for file, sharded in zip(runs["file"],
-                                                                                               runs["sharded"])]
+    results = measure(args.hidden, args.rows, args.steps)
     single = results["1 process"][0]["file"]["training"]
     print(f"peak RSS per rank (MiB), mxnet_ptb with hidden {args.hidden}, PTB batch {args.rows}, {args.steps} steps, "
           f"Adam; floor = after imports and data")

@@ -4,6 +4,8 @@ Same model, batch, partition and schedule on 2 CPU ranks (one thread each). Prin
 their ratio: medians over the timed steps after warm-up, two alternating rounds of each.
 
     python benchmarks/strategy_overhead.py [--steps 30] [--warmup 5]
+
+``benchmarks/run.py`` imports :func:`compare` (inside its own ranks) and :func:`summarize`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,24 +34,35 @@ from lightning_mp_lstm.model import token_loss_sum  # noqa: E402
 from lightning_mp_lstm.partition import even_partition  # noqa: E402
 from tests.helpers import run_ranks  # noqa: E402
 
-VOCAB, EMBED, HIDDEN, LAYERS = 2000, 256, 256, 4
-ROWS, LENGTH, MICROBATCHES, SCHEDULE = 64, 35, 8, "1F1B"
+
+@dataclass(frozen=True)
+class Setup:
+    """The model, batch and pipeline both runs share (defaults: the numbers in docs/benchmarks.md)."""
+
+    vocab: int = 2000
+    embed: int = 256
+    hidden: int = 256
+    layers: int = 4
+    rows: int = 64
+    length: int = 35
+    microbatches: int = 8
+    schedule: str = "1F1B"
 
 
-def _model() -> LSTMLanguageModel:
+def _model(setup: Setup) -> LSTMLanguageModel:
     torch.manual_seed(0)
-    return LSTMLanguageModel(VOCAB, EMBED, HIDDEN, LAYERS, optimizer="sgd", lr=0.1)
+    return LSTMLanguageModel(setup.vocab, setup.embed, setup.hidden, setup.layers, optimizer="sgd", lr=0.1)
 
 
-def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(n: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(1, VOCAB, (ROWS, LENGTH + 1), generator=g) for _ in range(n)]
+    tokens = [torch.randint(1, setup.vocab, (setup.rows, setup.length + 1), generator=g) for _ in range(n)]
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
-def _bare_loop(rank: int, steps: int) -> list[float]:
+def _bare_loop(rank: int, steps: int, setup: Setup) -> list[float]:
     """The reference: PipelineStage + schedule + optimizer, nothing else."""
-    model = _model()
+    model = _model(setup)
     stages = even_partition(model.block_names, 2)
     model.keep_blocks(stages[rank])
     stage_module = nn.Sequential(*[module for _, module in model.blocks()])
@@ -66,13 +80,13 @@ def _bare_loop(rank: int, steps: int) -> list[float]:
             return self.inner(x).contiguous()
 
     stage = PipelineStage(Contiguous(stage_module), rank, 2, torch.device("cpu"))
-    divisor = torch.tensor(float(ROWS * LENGTH))
-    schedule = get_schedule_class(SCHEDULE)(
-        stage, MICROBATCHES, loss_fn=lambda out, y: token_loss_sum(out, y) / divisor, scale_grads=False
+    divisor = torch.tensor(float(setup.rows * setup.length))
+    schedule = get_schedule_class(setup.schedule)(
+        stage, setup.microbatches, loss_fn=lambda out, y: token_loss_sum(out, y) / divisor, scale_grads=False
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     starts = []
-    for inputs, targets in _batches(steps + 1):
+    for inputs, targets in _batches(steps + 1, setup):
         starts.append(time.perf_counter())
         optimizer.zero_grad()
         if rank == 0:
@@ -93,29 +107,45 @@ class _StepTimer(pl.Callback):
         self.starts.append(time.perf_counter())
 
 
-def _strategy_fit(rank: int, steps: int) -> list[float]:
+def _strategy_fit(rank: int, steps: int, setup: Setup) -> list[float]:
     timer = _StepTimer()
     trainer = pl.Trainer(
-        strategy=MPLSTMStrategy(schedule=SCHEDULE, n_microbatches=MICROBATCHES, report_after_steps=None),
+        strategy=MPLSTMStrategy(schedule=setup.schedule, n_microbatches=setup.microbatches, report_after_steps=None,
+                                num_threads=1),
         accelerator="cpu", devices=2, max_steps=steps + 1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, gradient_clip_val=None,
         callbacks=[timer],
     )
-    trainer.fit(_model(), train_dataloaders=DataLoader(_batches(steps + 1), batch_size=None))
+    trainer.fit(_model(setup), train_dataloaders=DataLoader(_batches(steps + 1, setup), batch_size=None))
     return [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+
+
+def compare(rank: int, steps: int, warmup: int, setup: Setup = Setup(), rounds: int = 2) -> dict[str, list[float]]:
+    """Step intervals (seconds) of the bare loop and of the strategy on this rank, after ``warmup`` steps of each
+    run, ``rounds`` alternating runs of each. Call it on both ranks of a 2-process world (the default process
+    group is started when there is none)."""
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    out: dict[str, list[float]] = {"bare": [], "strategy": []}
+    for _ in range(rounds):  # alternate to spread any drift of the machine over both
+        out["bare"] += _bare_loop(rank, steps, setup)[warmup:]
+        dist.barrier()
+        out["strategy"] += _strategy_fit(rank, steps, setup)[warmup:]
+        dist.barrier()
+    return out
+
+
+def summarize(intervals: dict[str, list[float]]) -> dict[str, float]:
+    """Steps/s of both (1 / median interval) and their ratio strategy / bare."""
+    bare = 1.0 / statistics.median(intervals["bare"])
+    strategy = 1.0 / statistics.median(intervals["strategy"])
+    return {"bare_steps_per_s": bare, "strategy_steps_per_s": strategy, "ratio": strategy / bare}
 
 
 def _worker(rank: int, world_size: int, steps: int, warmup: int) -> dict[str, list[float]]:
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    out: dict[str, list[float]] = {"bare": [], "strategy": []}
-    for _ in range(2):  # alternate to spread any drift of the machine over both
-        out["bare"] += _bare_loop(rank, steps)[warmup:]
-        dist.barrier()
-        out["strategy"] += _strategy_fit(rank, steps)[warmup:]
-        dist.barrier()
-    return out
+    return compare(rank, steps, warmup)
 
 
 def main() -> None:
@@ -123,14 +153,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
-    result = run_ranks(_worker, 2, args.steps, args.warmup, timeout=1200)[0]
-    bare = 1.0 / statistics.median(result["bare"])
-    strategy = 1.0 / statistics.median(result["strategy"])
-    print(f"model: {LAYERS} x LSTM {HIDDEN}, vocab {VOCAB}, batch {ROWS} x {LENGTH}, {MICROBATCHES} microbatches, "
-          f"{SCHEDULE}, 2 CPU ranks x 1 thread; {2 * (args.steps - args.warmup)} timed steps each")
-    print(f"bare pipelining loop : {bare:.3f} steps/s")
-    print(f"MPLSTMStrategy fit   : {strategy:.3f} steps/s")
-    print(f"ratio strategy/bare  : {strategy / bare:.3f}  (goal >= 0.95)")
+    summary = summarize(run_ranks(_worker, 2, args.steps, args.warmup, timeout=1200)[0])
+    s = Setup()
+    print(f"model: {s.layers} x LSTM {s.hidden}, vocab {s.vocab}, batch {s.rows} x {s.length}, {s.microbatches} "
+          f"microbatches, {s.schedule}, 2 CPU ranks x 1 thread; {2 * (args.steps - args.warmup)} timed steps each")
+    print(f"bare pipelining loop : {summary['bare_steps_per_s']:.3f} steps/s")
+    print(f"MPLSTMStrategy fit   : {summary['strategy_steps_per_s']:.3f} steps/s")
+    print(f"ratio strategy/bare  : {summary['ratio']:.3f}  (goal >= 0.95)")
 
 
 if __name__ == "__main__":

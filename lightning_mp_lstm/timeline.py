@@ -268,27 +268,34 @@ def chrome_trace(records: Sequence[StepRecord]) -> dict[str, Any]:
 
 
 def draw(record: StepRecord, path: str | Path) -> Any:
-    """A picture of one step: one row per stage, time across; forward, backward and communication in their
-    colours, microbatch numbers on the spans, idle time left blank. Saved as PNG; returns the figure."""
+    """A picture of one step: one row per stage of every rank that ran it (with data parallelism each replica
+    gets its own rows), time across; forward, backward and communication in their colours, microbatch numbers
+    on the spans, idle time left blank. Saved as PNG; returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    rows = record.num_stages
+    # Rows: (stage, rank) pairs, replica by replica (a rank's offset from its stage's rank in replica 0 groups
+    # the replicas), stages in order within each.
+    pairs = sorted({(span.stage, span.rank) for span in record.spans} or {(0, 0)},
+                   key=lambda p: (p[1] - record.stage_ranks.get(p[0], p[1]), p[0]))
+    row_of = {pair: i for i, pair in enumerate(pairs)}
+    rows = len(pairs)
     figure, axes = plt.subplots(figsize=(12, 1.0 + 0.7 * rows), dpi=100)
     for span in record.spans:
         compute = span.kind in COMPUTE
-        height, bottom = (0.6, span.stage - 0.3) if compute else (0.18, span.stage + 0.32)
+        row = row_of[(span.stage, span.rank)]
+        height, bottom = (0.6, row - 0.3) if compute else (0.18, row + 0.32)
         start, width = span.start * 1e3, (span.end - span.start) * 1e3
         axes.broken_barh([(start, width)], (bottom, height), facecolors=_COLOURS[span.kind], edgecolor="white",
                          linewidth=0.3)
         if compute and width > record.wall * 1e3 / 80:
-            axes.text(start + width / 2, span.stage, str(span.microbatch), ha="center", va="center", fontsize=7,
+            axes.text(start + width / 2, row, str(span.microbatch), ha="center", va="center", fontsize=7,
                       color="white")
     axes.set_yticks(range(rows))
-    axes.set_yticklabels([f"stage {s} (rank {record.stage_ranks.get(s, s)})" for s in range(rows)])
+    axes.set_yticklabels([f"stage {stage} (rank {rank})" for stage, rank in pairs])
     axes.set_ylim(rows - 0.5, -0.5)
     axes.set_xlim(0, record.wall * 1e3)
     axes.set_xlabel("milliseconds since the step started")

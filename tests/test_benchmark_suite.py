@@ -20,8 +20,6 @@ from tests.helpers import ROOT, run_command
 SCRIPT = ROOT / "benchmarks" / "run.py"
 
 
-
-
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One ``--quick`` run for the whole module: its directory, JSON, page and output."""

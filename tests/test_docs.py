@@ -18,8 +18,7 @@ DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
 PAGES = [
     "index", "quickstart", "strategy", "architecture", "configuration", "layouts", "tensor_parallel", "partitioning",
-    "timeline",
-    "reliability", "data", "language_models", "generation", "benchmarks", "api", "dependencies",
+    "timeline", "reliability", "data", "language_models", "generation", "benchmarks", "results", "api", "dependencies",
 ]
 
 

@@ -1,5 +1,5 @@
 """The measured timeline: spans of every stage's forward, backward, sends and receives on a tiny pp2 run, the
-picture (one row per stage) and the Chrome trace (positive durations, busy below wall, paired flows)."""
+picture (one row per stage and rank) and the Chrome trace (positive durations, busy below wall, paired flows)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
-from lightning_mp_lstm.timeline import COMPUTE, PipelineTimeline, StepRecord, chrome_trace, draw
+from lightning_mp_lstm.timeline import COMPUTE, PipelineTimeline, Span, StepRecord, chrome_trace, draw
 from tests.helpers import FixedBatches, quiet_trainer, run_ranks, tiny_model
 
 
@@ -104,3 +104,15 @@ def test_without_pipeline_stages_the_step_is_one_span(tmp_path):
     (record,) = timeline.records
     assert [s.kind for s in record.spans] == ["compute"] and record.bubble() == pytest.approx(0, abs=1e-6)
     assert timeline.paths["png"].is_file() and timeline.paths["trace"].is_file()
+
+
+def test_with_replicas_every_rank_gets_its_own_rows(tmp_path):
+    """dp2 x pp2: ranks 0, 1 are replica 0's stages 0, 1; ranks 2, 3 replica 1's. No row is drawn twice."""
+    spans = [Span(rank, rank % 2, "forward", mb, 0.001 * (mb + rank % 2), 0.001 * (mb + rank % 2) + 0.0008)
+             for rank in range(4) for mb in range(2)]
+    record = StepRecord(step=2, wall=0.004, spans=spans, tokens=10, num_stages=2, n_microbatches=2,
+                        schedule="GPipe", stage_ranks={0: 0, 1: 1})
+    figure = draw(record, tmp_path / "dp.png")
+    labels = [t.get_text() for t in figure.axes[0].get_yticklabels()]
+    assert labels == ["stage 0 (rank 0)", "stage 1 (rank 1)", "stage 0 (rank 2)", "stage 1 (rank 3)"]
+    assert (tmp_path / "dp.png").stat().st_size > 0
