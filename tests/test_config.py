@@ -3,6 +3,7 @@ strategy, and conflicting groups fail before anything is launched."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,7 +36,8 @@ MANDATORY = {  # options whose configs hold ??? values a user must give
 }
 VOCAB = 50
 MXNET2 = [["embedding", "lstm.0", "lstm.1", "lstm.2", "lstm.3"], ["lstm.4", "lstm.5", "lstm.6", "lstm.7", "decoder"]]
-CHECKPOINTS = "/tmp/run/checkpoints"
+RUN = Path(tempfile.gettempdir()) / "run"  # nothing is written there: paths are only composed and compared
+CHECKPOINTS = str(RUN / "checkpoints")
 
 #: What each option composes to: dotted keys of the composed config and their values.
 EXPECTED: dict[tuple[str, str], dict[str, Any]] = {
@@ -166,12 +168,12 @@ def test_every_option_composes_with_its_values_and_instantiates(group, option):
     if "progress_bar" in names and cfg.trainer.enable_progress_bar:
         assert isinstance(trainer.progress_bar_callback, TQDMProgressBar)
     timelines = [c for c in trainer.callbacks if isinstance(c, PipelineTimeline)]
-    expected = [(Path("/tmp/run"), {2, 3})] if "timeline" in names else []
+    expected = [(RUN, {2, 3})] if "timeline" in names else []
     assert [(c.directory.resolve(), c.steps) for c in timelines] == [(d.resolve(), s) for d, s in expected]
     kinds = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
     assert [type(logger) for logger in trainer.loggers] == [kinds[name] for name in cfg.logger]
     for logger in trainer.loggers:
-        assert Path(logger.log_dir).resolve() == Path("/tmp/run", logger.name).resolve()
+        assert Path(logger.log_dir).resolve() == (RUN / logger.name).resolve()
 
 
 def test_ci_trainer_drops_the_progress_bar_callback():
