@@ -325,9 +325,7 @@ def generate(
         ValueError: a setting out of range (named with its value and what is allowed), a prompt containing
             ``<pad>``, a vocabulary of another size than the model's, or a model that is not whole.
     """
-    check_sampling(num_samples, max_tokens, temperature, top_k, seed)
-    prompt_ids = _encode_prompt(vocab, prompt)
-    samples = _sample(model, vocab, prompt_ids, num_samples, max_tokens, temperature, top_k, seed)
+    prompt_ids, samples = generate_ids(model, vocab, prompt, num_samples, max_tokens, temperature, top_k, seed)
     eos = vocab.eos_id if EOS in vocab else None
     return [" ".join(vocab.decode(prompt_ids + [i for i in sample if i != eos])) for sample in samples]
 

@@ -361,24 +361,16 @@ class LMDataModule(pl.LightningDataModule):
         self.setup()
         num_replicas, rank, weights = self._replicas()
         batch_size = self.batch_size if train else (self.eval_batch_size or self.batch_size)
-        if self.mode == "stream":
-            assert batch_size is not None
-            stream = self.stream(split, batch_size)
-            try:  # one global batch per window, in order; each replica its contiguous rows
-                return stream, BucketBatchSampler(stream.bucket_indices, stream.buckets, batch_size=batch_size,
-                                                  shuffle=False, seed=self.seed, num_replicas=num_replicas,
-                                                  rank=rank, replica_weights=weights)
-            except ValueError as err:
-                which = "eval_batch_size" if not train and self.eval_batch_size else "batch_size"
-                raise ValueError(f"{split} split ({which}={batch_size} stream rows): {err}") from err
-        ds = self.dataset(split, min_bucket_size=num_replicas)
+        stream = self.mode == "stream"
+        # A stream: one global batch per window ("bucket"), in order, each replica its contiguous rows.
+        ds = self.stream(split, batch_size) if stream else self.dataset(split, min_bucket_size=num_replicas)
         try:
             sampler = BucketBatchSampler(
                 ds.bucket_indices,
                 ds.buckets,
                 batch_size=batch_size,
                 max_tokens=self.max_tokens,
-                shuffle=self.shuffle and train,
+                shuffle=self.shuffle and train and not stream,
                 seed=self.seed,
                 num_replicas=num_replicas,
                 rank=rank,
