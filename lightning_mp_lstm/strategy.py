@@ -560,6 +560,7 @@ class MPLSTMStrategy(ParallelStrategy):
         if self.layout.pipeline_parallel_size > 1:
             dist.all_reduce(squared, group=self.device_mesh["pipeline_parallel"].get_group())
         norm = squared.sqrt()
+        # What clip_grads_with_norm_ does, on local shards: its foreach kernels refuse DTensor and plain grads mixed.
         coefficient = torch.clamp(float(clip_val) / (norm + 1e-6), max=1.0)
         for p in params:
             grad = local_tensor(p.grad)
