@@ -110,7 +110,8 @@ def build_model(cfg: DictConfig, strategy: Any, vocab_size: int) -> pl.Lightning
 
 def trainer_devices(cfg: DictConfig, strategy: Any, model: Any) -> Any:
     """``devices`` for the Trainer: ``trainer.devices`` when set (the strategy checks it when the Trainer is built),
-    else what ``strategy.processes_for(model)`` needs, per node (divided by ``trainer.num_nodes``), else 1.
+    else what ``strategy.processes_for(model)`` needs, per node (divided by ``trainer.num_nodes``), else
+    ``layout.processes`` (``layout=auto`` with a partition that has no stage count: 2), else 1.
 
     Raises:
         LayoutError: the processes the strategy needs do not spread evenly over the nodes.
@@ -120,7 +121,7 @@ def trainer_devices(cfg: DictConfig, strategy: Any, model: Any) -> Any:
         return devices
     needed = strategy.processes_for(model)
     if needed is None:
-        return 1
+        return int(cfg.get("layout", {}).get("processes") or 1)
     num_nodes = int(cfg.trainer.get("num_nodes") or 1)
     if needed % num_nodes:
         raise LayoutError(f"the layout needs {needed} processes, which cannot be spread evenly over "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,8 +31,10 @@ from lightning_mp_lstm.partition import PartitionError, even_partition, partitio
 __all__ = ["BALANCE_BY", "PARTITIONS", "PipelinePlan", "PlanOptions", "make_plan", "microbatch_candidates",
            "step_time"]
 
-#: Named partitions (besides explicit lists of block names per stage).
+#: Named partitions (besides explicit lists of block names per stage); ``"balanced<N>"`` (``"balanced4"``) is the
+#: balanced partition over N stages.
 PARTITIONS = ("even", "balanced", "per_block")
+_BALANCED_N = re.compile(r"balanced(\d+)")
 #: What ``partition="balanced"`` balances: measured seconds, analytic FLOPs, or training memory.
 BALANCE_BY = ("time", "flops", "memory")
 
@@ -42,13 +45,15 @@ class PlanOptions:
 
     Attributes:
         partition: ``"even"`` (blocks spread evenly, the first stages take the remainder), ``"balanced"`` (the
-            exact contiguous split minimizing the slowest stage, see ``balance_by``), ``"per_block"`` (one
-            block per stage) or one list of block names per stage.
+            exact contiguous split minimizing the slowest stage, see ``balance_by``, over the layout's stages),
+            ``"balanced<N>"`` (the same over N stages, e.g. ``"balanced4"``: the layout must have N stages, or
+            follows from it), ``"per_block"`` (one block per stage) or one list of block names per stage.
         balance_by: the cost ``"balanced"`` minimizes: ``"time"`` (measured), ``"flops"`` or ``"memory"``.
         stage_speeds: relative speed of each stage's device for balancing (default: all equal).
         n_microbatches: microbatches per replica batch; ``None``: the number of stages; ``"auto"``: the count
             with the lowest predicted step time, from times measured at every candidate size.
         max_microbatches: the largest count ``"auto"`` considers.
+        num_stages: the stage count ``"balanced<N>"`` asks for (``N``); ``None`` otherwise.
     """
 
     partition: str | tuple[tuple[str, ...], ...] = "even"
@@ -56,14 +61,19 @@ class PlanOptions:
     stage_speeds: tuple[float, ...] | None = None
     n_microbatches: int | str | None = None
     max_microbatches: int = 32
+    num_stages: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         partition = self.partition
         if isinstance(partition, str):
-            if partition not in PARTITIONS:
+            numbered = _BALANCED_N.fullmatch(partition)
+            if numbered is not None and int(numbered.group(1)) >= 1:
+                object.__setattr__(self, "partition", "balanced")
+                object.__setattr__(self, "num_stages", int(numbered.group(1)))
+            elif partition not in PARTITIONS:
                 raise PartitionError(
-                    f"unknown partition {partition!r}; allowed: {', '.join(map(repr, PARTITIONS))}, or one list of "
-                    "block names per stage"
+                    f"unknown partition {partition!r}; allowed: {', '.join(map(repr, PARTITIONS))}, "
+                    "'balanced<N>' (e.g. 'balanced4': balanced over N stages), or one list of block names per stage"
                 )
         elif isinstance(partition, Sequence) and partition and all(isinstance(stage, str) for stage in partition):
             raise PartitionError(
@@ -102,6 +112,8 @@ class PlanOptions:
         """The number of stages the partition itself implies (explicit lists, one per block), if any."""
         if isinstance(self.partition, tuple):
             return len(self.partition)
+        if self.num_stages is not None:
+            return self.num_stages
         if self.partition == "per_block" and block_names is not None:
             return len(block_names)
         return None
@@ -127,14 +139,28 @@ class PlanOptions:
                     f"has {num_stages} stages"
                 )
             return [[name] for name in names]
-        if self.partition == "even":
+        if self.partition == "even" or num_stages == 1:  # one stage holds every block: nothing to balance
             return even_partition(names, num_stages)
         return None
+
+    @property
+    def name(self) -> str:
+        """The partition as the user named it (``"balanced4"``, ``"even"``, or ``"manual"`` for lists)."""
+        if isinstance(self.partition, tuple):
+            return "manual"
+        return f"balanced{self.num_stages}" if self.num_stages is not None else self.partition
 
     def check(self, block_names: Sequence[str], layout: ParallelLayout) -> None:
         """Everything that can be checked without costs; raises what :meth:`fixed_partition` raises, and for
         ``stage_speeds`` of the wrong length."""
         names = list(block_names)
+        if self.num_stages is not None and self.num_stages != layout.num_stages:
+            raise PartitionError(
+                f"partition {self.name!r} asks for {self.num_stages} pipeline stages, but the layout has "
+                f"{layout.num_stages} (pipeline_parallel_size={layout.pipeline_parallel_size} x stages_per_rank="
+                f"{layout.stages_per_rank}); use partition 'balanced' to follow the layout, or a layout of "
+                f"{self.num_stages} stages (layout=auto sizes the pipeline from the partition)"
+            )
         if not isinstance(self.partition, tuple) and layout.num_stages > len(names):
             raise PartitionError(
                 f"the layout has {layout.num_stages} pipeline stages (pipeline_parallel_size="

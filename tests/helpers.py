@@ -32,6 +32,8 @@ PTB_ENV = "LIGHTNING_MP_LSTM_PTB_DIR"
 VOCAB = 37
 #: ``train.py`` overrides for a run of a few seconds: the tiny model on a small synthetic corpus.
 TINY_RUN = ["trainer=ci", "data.batch_size=16", "model.hidden_size=16", "model.embedding_dim=16"]
+#: One process (``python train.py`` alone runs a 2-stage pipeline): for runs inside the test process.
+ONE_PROCESS = "layout=single"
 #: The small synthetic corpus's sizes (only with ``data=synthetic``, the default).
 SMALL_SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40", "data.synthetic.num_test=40"]
 

@@ -14,9 +14,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from lightning_mp_lstm.app import format_summary, train
-from tests.helpers import ROOT, SMALL_SYNTHETIC, TINY_RUN, free_port, run_command, start_command
+from tests.helpers import ONE_PROCESS, ROOT, SMALL_SYNTHETIC, TINY_RUN, free_port, run_command, start_command
 
 TINY = [*TINY_RUN, *SMALL_SYNTHETIC]
+IN_PROCESS = [*TINY, ONE_PROCESS]
 
 
 def _compose(tmp_path: Path, *overrides: str):
@@ -27,7 +28,7 @@ def _compose(tmp_path: Path, *overrides: str):
 @pytest.mark.timeout(120)
 def test_train_on_the_synthetic_default(tmp_path):
     torch.set_num_threads(1)
-    summary = train(_compose(tmp_path, *TINY))
+    summary = train(_compose(tmp_path, *IN_PROCESS))
     assert math.isclose(summary["val_ppl"], math.exp(summary["val_loss"]), rel_tol=1e-9)
     assert math.isfinite(summary["test_ppl"])
     # The floor and the unigram baseline come from the synthetic language itself.
@@ -41,12 +42,12 @@ def test_train_on_the_synthetic_default(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_table(tmp_path, capsys):
-    """The default `python train.py` (layout=auto, one process) runs through the same strategy as every layout:
+    """A one-process `python train.py layout=single` runs through the same strategy as every layout:
     the model is built on the meta device, the strategy materializes every block on its device, and the run
     ends with the usual closing table."""
     torch.set_num_threads(1)
     record = tmp_path / "devices.json"
-    cfg = _compose(tmp_path, *TINY, "+callbacks.devices._target_=tests.helpers.RecordBlockDevices",
+    cfg = _compose(tmp_path, *IN_PROCESS, "+callbacks.devices._target_=tests.helpers.RecordBlockDevices",
                    f"+callbacks.devices.path={record}")
     summary = train(cfg)
     seen = json.loads((tmp_path / "devices.rank0.json").read_text())
@@ -78,6 +79,7 @@ def test_train_on_ptb_files(tmp_path, ptb):
     torch.set_num_threads(1)
     overrides = [
         "trainer=ci",
+        ONE_PROCESS,
         "data=ptb",
         f"data.train={ptb / 'ptb.valid.txt'}",
         f"data.valid={ptb / 'ptb.test.txt'}",

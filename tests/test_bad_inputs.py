@@ -21,7 +21,7 @@ import torch
 
 from lightning_mp_lstm import launcher
 from lightning_mp_lstm.app import train
-from tests.helpers import ROOT, SMALL_SYNTHETIC, TINY_RUN, run_command_and_leftovers
+from tests.helpers import ONE_PROCESS, ROOT, SMALL_SYNTHETIC, TINY_RUN, run_command_and_leftovers
 
 TINY, SYNTHETIC = TINY_RUN, SMALL_SYNTHETIC
 
@@ -164,7 +164,7 @@ def good_checkpoint(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("good")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"checkpoint_dir={directory}/checkpoints", *TINY,
-                                                      *SYNTHETIC, "evaluate=false"])
+                                                      *SYNTHETIC, ONE_PROCESS, "evaluate=false"])
     return Path(train(cfg)["checkpoint"])
 
 

@@ -67,7 +67,7 @@ EXPECTED: dict[tuple[str, str], dict[str, Any]] = {
                                "schedule.name": "Interleaved1F1B", "strategy.stages_per_rank": 2,
                                "strategy.schedule": "Interleaved1F1B"},
     ("layout", "auto"): {"strategy.data_parallel_size": 1, "strategy.pipeline_parallel_size": "auto",
-                         "strategy.stages_per_rank": None},
+                         "strategy.stages_per_rank": None, "layout.processes": 2},
     ("layout", "dp2"): {"strategy.data_parallel_size": 2, "strategy.pipeline_parallel_size": 1},
     ("layout", "dp2_pp2"): {"strategy.data_parallel_size": 2, "strategy.pipeline_parallel_size": 2},
     ("layout", "pp2"): {"strategy.data_parallel_size": 1, "strategy.pipeline_parallel_size": 2},
@@ -91,6 +91,8 @@ EXPECTED: dict[tuple[str, str], dict[str, Any]] = {
                         "model.lr": 0.005},
     ("partition", "balanced"): {"strategy.partition": "balanced", "strategy.balance_by": "time",
                                 "strategy.stage_speeds": None},
+    **{("partition", f"balanced{n}"): {"strategy.partition": f"balanced{n}", "strategy.balance_by": "time",
+                                       "strategy.stage_speeds": None} for n in range(2, 9)},
     ("partition", "even"): {"strategy.partition": "even", "strategy.balance_by": "time"},
     ("partition", "manual"): {"strategy.partition": [["embedding", "lstm.0"], ["lstm.1", "decoder"]]},
     ("partition", "per_layer"): {"strategy.partition": "per_block"},
@@ -211,7 +213,13 @@ def _resolve(*overrides: str) -> tuple[MPLSTMStrategy, pl.LightningModule, pl.Tr
 @pytest.mark.parametrize(
     "overrides, expected, devices",
     [
-        ([], (1, 1, 1), 1),
+        ([], (1, 2, 1), 2),  # python train.py: a 2-stage pipeline
+        (["partition=balanced2"], (1, 2, 1), 2),
+        (["partition=balanced4"], (1, 4, 1), 4),  # python train.py partition=balanced4: 4 stages, 4 processes
+        (["partition=balanced3", "model.num_layers=4", "schedule.n_microbatches=4"], (1, 3, 1), 3),
+        (["partition=balanced4", "layout=pp4"], (1, 4, 1), 4),
+        (["partition=balanced4", "layout=pp2", "schedule.name=Interleaved1F1B"], (1, 2, 2), 2),
+        (["partition=balanced4", "layout.data_parallel_size=2"], (2, 4, 1), 8),
         (["layout=single"], (1, 1, 1), 1),
         (["layout=dp2"], (2, 1, 1), 2),
         (["layout=pp2"], (1, 2, 1), 2),
@@ -226,7 +234,8 @@ def _resolve(*overrides: str) -> tuple[MPLSTMStrategy, pl.LightningModule, pl.Tr
         (["trainer.devices=2", "experiment=mxnet2"], (1, 2, 1), 2),
         (["experiment=mxnet2", "layout.data_parallel_size=2"], (2, 2, 1), 4),
         (["layout=pp4", "partition=balanced"], (1, 4, 1), 4),
-        (["partition=balanced"], (1, 1, 1), 1),
+        (["partition=balanced"], (1, 2, 1), 2),
+        (["partition=even"], (1, 2, 1), 2),
         (["partition=per_layer"], (1, 4, 1), 4),  # tiny: 2 LSTM layers + embedding + decoder
         (["partition=per_layer", "model.num_layers=6"], (1, 8, 1), 8),
         (["partition=manual", "partition.stages=[[embedding,lstm.0],[lstm.1,decoder]]"], (1, 2, 1), 2),
@@ -273,6 +282,10 @@ def test_experiment_choices_yield_to_the_command_line():
     [
         (["layout=pp2", "partition=per_layer"], PartitionError,
          r"partition 'per_block' puts each of the 4 blocks on its own stage, but the layout has 2 stages"),
+        (["layout=pp2", "partition=balanced4"], PartitionError,
+         r"partition 'balanced4' asks for 4 pipeline stages, but the layout has 2 \(pipeline_parallel_size=2 x "
+         r"stages_per_rank=1\); use partition 'balanced' to follow the layout"),
+        (["partition=balanced8"], PartitionError, r"the layout has 8 pipeline stages .* but the model has 4 blocks"),
         (["layout=dp2_pp2", "trainer.devices=2"], LayoutError,
          r"the layout needs data_parallel_size=2 x pipeline_parallel_size=2 = 4 processes .*world size is 2"),
         (["experiment=pp2_v2", "schedule.name=1F1B"], LayoutError,
