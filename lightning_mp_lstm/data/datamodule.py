@@ -24,6 +24,7 @@ from lightning_mp_lstm.data.bucketing import (
 )
 from lightning_mp_lstm.data.corpus import SPLITS, read_sentences, resolve_split_paths
 from lightning_mp_lstm.data.download import download_ptb
+from lightning_mp_lstm.data.loop_state import align_restored_fit_loop
 from lightning_mp_lstm.data.stream import TokenStream
 from lightning_mp_lstm.data.synthetic import DEFAULT_SPLIT_SIZES, SyntheticLanguage
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
@@ -74,7 +75,12 @@ class LMDataModule(pl.LightningDataModule):
     counted by its fit loop) in every checkpoint and a resumed ``fit``
     continues with the next batch of the interrupted epoch, also with another
     number of data-parallel replicas; a mid-epoch checkpoint needs the same
-    data, buckets, batch size / token budget and seed.
+    data, buckets, batch size / token budget and seed. This holds for every
+    way of saving, also ``trainer.save_checkpoint`` after ``fit`` returned at
+    ``max_steps`` inside an epoch, which Lightning records as a finished
+    epoch: when the fit loop asks for the training loader of a resumed
+    ``fit``, the data module makes the restored loop state agree with the
+    data position (see :mod:`lightning_mp_lstm.data.loop_state`).
 
     Args:
         source: ``"synthetic"`` (embedded, needs no files), ``"ptb"``,
@@ -391,6 +397,9 @@ class LMDataModule(pl.LightningDataModule):
         if trainer is not None:
             fit_loop = getattr(trainer, "fit_loop", None)
             if train and fit_loop is not None:
+                # Lightning asks for the training loader of a resumed fit after restoring its loops and before it
+                # loads the loader's saved position and resets them: make the loops agree with that position.
+                align_restored_fit_loop(fit_loop)
                 # The epoch this loader will serve. When resuming from a checkpoint saved at the end of epoch e,
                 # trainer.current_epoch is still e while Lightning creates the loader (it advances later), and
                 # with DataLoader workers the iterator Lightning creates right away would shuffle with it.
