@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lightning_mp_lstm import profile
+from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.partition import partition_blocks
 from lightning_mp_lstm.plan import microbatch_candidates, step_time
@@ -63,13 +64,14 @@ def calibrate(model: Any, rows: int, length: int, device: torch.device, threads:
     """Measure the thread speed-up of the whole model (blocks chained, forward + backward) for each count in
     ``threads`` (default: every power of two up to the CPU count) and, unless given, the bytes per second of a
     local copy between processes (estimated from a memory copy of a 64 MiB buffer, halved for the transport)."""
+    blocks = pipeline_model(model)
     counts = sorted(set(threads) or {t for t in (1, 2, 4, 8, 16, 32, 64) if t <= (os.cpu_count() or 1)}) or [1]
     before = torch.get_num_threads()
     seconds = {}
     try:
         for count in sorted({1, *counts}):
             torch.set_num_threads(count)
-            seconds[count] = sum(profile.block_seconds(model, model.block_names, rows, length, device, repeats=3,
+            seconds[count] = sum(profile.block_seconds(blocks, blocks.block_names, rows, length, device, repeats=3,
                                                        warmup=1).values())
     finally:
         torch.set_num_threads(before)
@@ -93,7 +95,7 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
     """Every way to run ``model`` on ``devices`` processes, fastest predicted first.
 
     Args:
-        model: a :class:`~lightning_mp_lstm.contract.PipelineModel` (possibly on the meta device).
+        model: a LightningModule with a pipeline declaration, or its pipeline view (possibly on the meta device).
         devices: processes available.
         batch_rows: sequences per global batch; ``length``: their mean padded length.
         device: where to time blocks (one process's device).
@@ -103,6 +105,7 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
         max_microbatches: the most microbatches considered.
     """
     cores = cores or os.cpu_count() or 1
+    model = pipeline_model(model)
     names = list(model.block_names)
     parameters = model.analytic_costs("parameters", 1, length)
     cache: dict[int, dict[str, float]] = {}

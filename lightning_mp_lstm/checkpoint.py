@@ -229,17 +229,15 @@ def optimizer_state_by_name(
     }
 
 
-def merge_optimizer_states(
-    states: Iterable[dict[str, Any]], block_names: Sequence[str] | None = None
-) -> dict[str, Any]:
+def merge_optimizer_states(states: Iterable[dict[str, Any]], order: Sequence[str] | None = None) -> dict[str, Any]:
     """Merge per-process name-keyed optimizer states (same groups everywhere) into one.
 
     Args:
         states: one name-keyed state per process (see :func:`optimizer_state_by_name`).
-        block_names: the full model's blocks in model order. Each group's parameters are then listed in
-            model order (stable within a block), whatever process held which block: a plain optimizer
-            over the full model pairs saved and live parameters by position, so a layout whose processes
-            hold non-contiguous blocks (interleaved, V-shaped) would otherwise mix up their state.
+        order: the whole model's parameter names in one process's order (``named_parameters()``). Each group's
+            parameters are then listed in that order, whatever process held which block: a plain optimizer over
+            the whole model pairs saved and live parameters by position, so a layout whose processes hold
+            non-contiguous blocks (interleaved, V-shaped) would otherwise mix up their state.
     """
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for part in states:
@@ -249,14 +247,10 @@ def merge_optimizer_states(
                 merged["param_groups"].append({**group, "params": []})
             seen = set(merged["param_groups"][i]["params"])
             merged["param_groups"][i]["params"] += [n for n in group["params"] if n not in seen]
-    if block_names is not None:
-        blocks = list(block_names)
-
-        def block_index(name: str) -> int:
-            return next((i for i, b in enumerate(blocks) if name == b or name.startswith(b + ".")), len(blocks))
-
+    if order is not None:
+        position = {name: i for i, name in enumerate(order)}
         for group in merged["param_groups"]:
-            group["params"] = sorted(group["params"], key=block_index)
+            group["params"] = sorted(group["params"], key=lambda name: position.get(name, len(position)))
     return merged
 
 

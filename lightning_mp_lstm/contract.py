@@ -1,13 +1,16 @@
-"""What the ``mp_lstm`` strategy needs from a model and from its data, as ``Protocol`` s.
+"""What the ``mp_lstm`` engine needs from a model and from its data, as ``Protocol`` s.
 
-The strategy is plumbing: it splits any model that honours :class:`PipelineModel` (a chain of named blocks)
-and never looks inside the blocks. :class:`~lightning_mp_lstm.model.LSTMLanguageModel` implements it. A model
-that lacks a member gets a ``TypeError`` naming every missing one (:func:`check_model`).
+A LightningModule does not implement :class:`PipelineModel` itself: it declares its blocks once in
+``configure_pipeline()`` (:class:`~lightning_mp_lstm.declaration.LSTMBlocks`) and the library derives this view of
+it. A model that is not an embedding -> LSTM stack -> decoder chain returns its own :class:`PipelineModel` from
+``configure_pipeline()`` instead; :func:`check_model` names every member it lacks.
 
-Optional members, used when present: ``microbatch_context(index)`` (entered around every stage forward with the
-microbatch's index: per-row recurrent state across batches), ``loss_context()`` (around the loss's forward and
-backward: torch's ``loss_parallel``), and for ``tensor_parallel_size > 1`` ``parallelize_vocabulary(mesh)``
-(required then), ``check_tensor_parallel(size)`` and ``tensor_parallel_blocks()``.
+Optional members, used when present: ``prepare_batch(batch)`` (the batch's ``(inputs, targets)`` rows first) and
+``restore_layout(predictions)``, ``microbatch_context(index)`` (entered around every stage forward with the
+microbatch's index: per-row recurrent state across batches) and ``reset_state(mode)``, ``loss_context()`` (around the
+loss's forward and backward: torch's ``loss_parallel``), ``log_name`` (what the strategy logs under), and for
+``tensor_parallel_size > 1`` ``parallelize_vocabulary(mesh)`` (required then), ``check_tensor_parallel(size)`` and
+``tensor_parallel_blocks()``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class PipelineData(Protocol):
     def mean_padded_length(self) -> float:
         """The mean length a training sequence is padded to (the bucket mix)."""
 
+    # Optional: ``shards_data_parallel = True`` when each data-parallel replica's loaders yield its own share of
+    # every global batch (LMDataModule); otherwise every replica is given the global batch and takes its rows.
+
 
 def _missing(obj: Any, protocol: type) -> list[str]:
     members = [name for name in protocol.__dict__ if not name.startswith("_") and name not in ("register",)]
@@ -91,8 +97,8 @@ def check_model(model: Any) -> None:
     missing = _missing(model, PipelineModel)
     if missing:
         raise TypeError(
-            f"mp_lstm splits models made of named blocks (lightning_mp_lstm.contract.PipelineModel, implemented by "
-            f"LSTMLanguageModel); {type(model).__name__} lacks: {', '.join(missing)}"
+            f"a custom pipeline model (lightning_mp_lstm.contract.PipelineModel) needs every member; "
+            f"{type(model).__name__} lacks: {', '.join(missing)}"
         )
 
 

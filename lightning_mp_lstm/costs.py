@@ -38,7 +38,10 @@ class ModelShape:
         hidden_size: LSTM hidden size ``H``.
         num_layers: Number of LSTM layers ``N``.
         tie_weights: Whether the decoder weight is the embedding weight
-            (requires ``E == H``).
+            (requires ``E`` == the last layer's hidden size).
+        layer_hidden_sizes: Hidden size of every layer when they differ
+            (AWD-LSTM's last layer is as wide as the embedding); ``None``:
+            ``hidden_size`` for every layer.
     """
 
     vocab_size: int
@@ -46,16 +49,21 @@ class ModelShape:
     hidden_size: int
     num_layers: int
     tie_weights: bool = False
+    layer_hidden_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embedding_dim", "hidden_size", "num_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CostError(f"{name} must be a positive integer, got {value!r}")
-        if self.tie_weights and self.embedding_dim != self.hidden_size:
+        sizes = self.layer_hidden_sizes
+        if sizes is not None and (len(sizes) != self.num_layers or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes)):
+            raise CostError(f"layer_hidden_sizes must be {self.num_layers} positive integers, got {sizes!r}")
+        if self.tie_weights and self.embedding_dim != self.decoder_input_size:
             raise CostError(
-                "tie_weights requires embedding_dim == hidden_size, got "
-                f"embedding_dim={self.embedding_dim} and hidden_size={self.hidden_size}"
+                "tie_weights requires embedding_dim == the last layer's hidden size, got "
+                f"embedding_dim={self.embedding_dim} and hidden_size={self.decoder_input_size}"
             )
 
     @property
@@ -63,9 +71,18 @@ class ModelShape:
         """Block names of this model, in order."""
         return [EMBEDDING, *(f"{LSTM_PREFIX}{i}" for i in range(self.num_layers)), DECODER]
 
+    def lstm_hidden_size(self, layer: int) -> int:
+        """Hidden width of LSTM layer ``layer``."""
+        return self.layer_hidden_sizes[layer] if self.layer_hidden_sizes is not None else self.hidden_size
+
     def lstm_input_size(self, layer: int) -> int:
-        """Input width of LSTM layer ``layer`` (``E`` for layer 0, else ``H``)."""
-        return self.embedding_dim if layer == 0 else self.hidden_size
+        """Input width of LSTM layer ``layer`` (``E`` for layer 0, else the previous layer's hidden size)."""
+        return self.embedding_dim if layer == 0 else self.lstm_hidden_size(layer - 1)
+
+    @property
+    def decoder_input_size(self) -> int:
+        """Input width of the decoder: the last layer's hidden size."""
+        return self.lstm_hidden_size(self.num_layers - 1)
 
 
 def parameter_counts(shape: ModelShape) -> dict[str, int]:
@@ -84,11 +101,12 @@ def parameter_counts(shape: ModelShape) -> dict[str, int]:
     Returns:
         Mapping block name -> parameter count, in model order.
     """
-    V, E, H = shape.vocab_size, shape.embedding_dim, shape.hidden_size
+    V, E = shape.vocab_size, shape.embedding_dim
     counts = {EMBEDDING: V * E}
     for layer in range(shape.num_layers):
+        H = shape.lstm_hidden_size(layer)
         counts[f"{LSTM_PREFIX}{layer}"] = 4 * H * (shape.lstm_input_size(layer) + H) + 8 * H
-    counts[DECODER] = V if shape.tie_weights else H * V + V
+    counts[DECODER] = V if shape.tie_weights else shape.decoder_input_size * V + V
     return counts
 
 
@@ -138,7 +156,7 @@ def memory_costs(
     copies = 2 + OPTIMIZER_STATES[optimizer]
     counts = parameter_counts(shape)
     if shape.tie_weights and replicate_tied:
-        counts[DECODER] += shape.vocab_size * shape.hidden_size
+        counts[DECODER] += shape.vocab_size * shape.decoder_input_size
     return {name: float(count * bytes_per_param * copies) for name, count in counts.items()}
 
 
@@ -211,12 +229,13 @@ def flop_costs(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise CostError(f"batch_size must be a positive integer, got {batch_size!r}")
     tokens = batch_size * _mean_length(bucket_lengths, bucket_weights)
-    V, E, H = shape.vocab_size, shape.embedding_dim, shape.hidden_size
+    V, E = shape.vocab_size, shape.embedding_dim
     train = 1.0 + _BACKWARD_FACTOR
     costs = {EMBEDDING: 2.0 * tokens * E}
     for layer in range(shape.num_layers):
+        H = shape.lstm_hidden_size(layer)
         fwd = tokens * (8.0 * H * (shape.lstm_input_size(layer) + H) + _LSTM_POINTWISE_FLOPS_PER_UNIT * H)
         costs[f"{LSTM_PREFIX}{layer}"] = train * fwd
-    decoder_fwd = tokens * (2.0 * H * V + V)
+    decoder_fwd = tokens * (2.0 * shape.decoder_input_size * V + V)
     costs[DECODER] = train * decoder_fwd + _SOFTMAX_XENT_FLOPS_PER_LOGIT * tokens * V
     return costs

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from lightning_mp_lstm.checkpoint import SHARDED_METADATA, CheckpointError, is_sharded, load_sharded, read_checkpoint
 from lightning_mp_lstm.data.vocab import EOS, PAD, UNK, Vocabulary
@@ -172,32 +171,12 @@ def _sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _lstm_layers(model: LSTMLanguageModel) -> tuple[nn.Module, list[nn.LSTM], nn.Module]:
-    try:
-        blocks = dict(model.blocks(model.block_names))
-    except KeyError as error:
-        raise ValueError(f"generation needs the whole model on one process: {error.args[0]}") from None
-    if getattr(model, "pipeline", None) is not None:
-        raise ValueError("generation runs the whole model on one process; this model is attached to a pipeline "
-                         "strategy (load it with load_for_generation)")
-    layers = [blocks[f"lstm.{i}"] for i in range(model.hparams.num_layers)]
-    if not all(isinstance(layer, nn.LSTM) for layer in layers):
-        raise ValueError("generation needs every lstm.i block to be an nn.LSTM layer")
-    return blocks["embedding"], layers, blocks["decoder"]
-
-
-def _advance(embedding: nn.Module, layers: list[nn.LSTM], decoder: nn.Module, tokens: torch.Tensor,
-             state: list[Any]) -> tuple[torch.Tensor, list[Any]]:
-    """Run ``tokens`` (B, T) through the model from ``state`` (one ``(h, c)`` or ``None`` per layer); return the
-    logits of the last position (B, V) and the new state. The same computation as ``model.forward`` in eval mode,
-    which does not return the LSTM states."""
-    x = embedding(tokens)
-    new_state = []
-    for layer, hx in zip(layers, state):
-        out, hx = nn.LSTM.forward(layer, x, hx)  # the plain LSTM, keeping (h, c)
-        x = getattr(layer, "output_dropout", nn.Identity())(out)
-        new_state.append(hx)
-    return decoder(x[:, -1]).float(), new_state
+def _advance(model: LSTMLanguageModel, tokens: torch.Tensor, state: list[Any] | None) -> tuple[torch.Tensor,
+                                                                                             list[Any]]:
+    """Run ``tokens`` (B, T) through the model from ``state``; return the logits of the last position (B, V) and the
+    state every layer ended with (the model's own forward, in eval mode)."""
+    logits, state = model(tokens, state)
+    return logits[:, -1].float(), state
 
 
 def _encode_prompt(vocab: Vocabulary, prompt: str) -> list[int]:
@@ -242,7 +221,9 @@ def _sample(model: LSTMLanguageModel, vocab: Vocabulary, prompt_ids: list[int], 
     if len(vocab) != model.hparams.vocab_size:
         raise ValueError(f"the vocabulary has {len(vocab):,} words but the model's vocab_size is "
                          f"{model.hparams.vocab_size:,}")
-    embedding, layers, decoder = _lstm_layers(model)
+    if any(block is None for block in (model.embedding, model.decoder, *model.lstm)):
+        raise ValueError("generation needs the whole model on one process; this one was split by a pipeline "
+                         "strategy (load its checkpoint with load_for_generation)")
     device = next(model.parameters()).device
     eos = vocab.eos_id if EOS in vocab else None
     # The training data starts every sentence with <eos> as its first input, so a prompt (or nothing) follows it.
@@ -257,7 +238,7 @@ def _sample(model: LSTMLanguageModel, vocab: Vocabulary, prompt_ids: list[int], 
     try:
         with torch.no_grad():
             tokens = torch.tensor([context], dtype=torch.long, device=device)
-            logits, state = _advance(embedding, layers, decoder, tokens, [None] * len(layers))
+            logits, state = _advance(model, tokens, None)
             logits = logits.expand(num_samples, -1)
             state = [(h.expand(-1, num_samples, -1).contiguous(), c.expand(-1, num_samples, -1).contiguous())
                      for h, c in state]
@@ -281,7 +262,7 @@ def _sample(model: LSTMLanguageModel, vocab: Vocabulary, prompt_ids: list[int], 
                 running = [row for row in running if samples[row][-1] != eos]
                 if not running:
                     break
-                logits, state = _advance(embedding, layers, decoder, chosen[:, None], state)
+                logits, state = _advance(model, chosen[:, None], state)
     finally:
         model.train(was_training)
     return samples

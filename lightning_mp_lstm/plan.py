@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mp_lstm import profile
+from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.faults import gather, result_from
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.partition import PartitionError, even_partition, partition_blocks, validate_partition
@@ -277,7 +278,7 @@ def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_ro
     """Plan the pipeline; every rank calls it (it is collective when a process group exists).
 
     Args:
-        model: the (unpruned, possibly meta-device) model; only its contract is used.
+        model: the (unpruned, possibly meta-device) model: a declared LightningModule or its pipeline view.
         layout: the resolved layout (its ``n_microbatches`` is the count to use unless ``"auto"``).
         options: what the user chose.
         batch_rows: sequences per replica batch; ``length``: their mean padded length (the bucket mix).
@@ -286,6 +287,7 @@ def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_ro
     Raises:
         PartitionError, LayoutError: on every rank, when the options do not fit the model, layout or batch.
     """
+    model = pipeline_model(model)
     names = list(model.block_names)
     options.check(names, layout)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -1,14 +1,13 @@
-"""``MPLSTMStrategy``: pipeline (x data) parallel training of a model made of named blocks, in Lightning.
+"""``MPLSTMStrategy``: pipeline (x data x tensor) parallel training of an LSTM language model, in Lightning.
 
 Shaped like Lightning's ``ModelParallelStrategy``: Lightning's launchers and cluster environments start the
-processes, the accelerator picks device and backend (gloo on CPU, nccl on CUDA), the precision plugin and
-checkpoint IO are Lightning's. The strategy is plumbing: the model honours
-:class:`~lightning_mp_lstm.contract.PipelineModel`; the layout (:class:`~lightning_mp_lstm.layout.ParallelLayout`)
-owns the device mesh; the plan (:func:`~lightning_mp_lstm.plan.make_plan`) says which blocks each stage holds;
-:func:`~lightning_mp_lstm.pipeline.build_pipeline` runs each batch through ``torch.distributed.pipelining``
-schedules. What is left here are the reductions a split model needs (gradients across replicas once per
-optimizer step, tied weights' gradients between their owners, the clipping norm across stages), name-keyed
-checkpoints, and failing together.
+processes, the accelerator picks device and backend (gloo on CPU, nccl on CUDA), checkpoint IO and the precision
+are Lightning's. The strategy is plumbing: it asks the module for its declaration
+(:func:`~lightning_mp_lstm.declaration.pipeline_model`), plans the partition once
+(:func:`~lightning_mp_lstm.plan.make_plan`), and owns the :class:`~lightning_mp_lstm.engine.PipelineEngine` that
+runs every training, evaluation and prediction batch; its step methods are thin calls into it, and
+:class:`~lightning_mp_lstm.precision.PipelinePrecision` plugs the gradient reductions and the global-norm clip into
+Lightning's optimizer step. The module never holds the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -39,57 +38,62 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm import profile, report
-from lightning_mp_lstm.contract import check_data, check_model
+from lightning_mp_lstm.contract import PipelineModel, check_data
+from lightning_mp_lstm.declaration import pipeline_model
+from lightning_mp_lstm.engine import PipelineEngine, ProcessGroups, build_engine
 from lightning_mp_lstm.faults import PeerDirectory, gather, result_from
 from lightning_mp_lstm.launcher import JobLauncher
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout, schedule_style
-from lightning_mp_lstm.pipeline import all_reduce_gradients, build_pipeline, local_tensor
+from lightning_mp_lstm.metrics import LanguageModelMetrics
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
+from lightning_mp_lstm.precision import PipelinePrecision
 from lightning_mp_lstm.tied import TiedWeights, shared_parameter_aliases
+from lightning_mp_lstm.validation import check_positive_int, check_positive_number
 
 __all__ = ["MPLSTMStrategy"]
 
 
 class MPLSTMStrategy(ParallelStrategy):
-    """Split a model made of named blocks into pipeline stages across processes.
+    """Split an LSTM language model into pipeline stages across processes.
 
-    ``Trainer(strategy="mp_lstm", devices=4)`` runs a 4-stage pipeline; ``data_parallel_size`` replicates
-    the pipeline. Losses and gradients equal one process on the same global batch.
+    ``Trainer(strategy="mp_lstm", devices=4)`` runs a 4-stage pipeline of any LightningModule that declares its
+    blocks in ``configure_pipeline()`` (:class:`~lightning_mp_lstm.LSTMBlocks`). Losses and gradients equal one
+    process on the same global batch. The strategy runs the module's training, validation, test and prediction steps
+    itself (through the pipeline) and logs the loss under the declaration's names.
 
     Args:
-        pipeline_parallel_size: processes per pipeline; ``"auto"``: from the partition's stage count when it
-            has one (explicit lists, ``"per_block"``), else world size / ``data_parallel_size``.
+        pipeline_parallel_size: processes per pipeline; ``"auto"``: from the partition's stage count when it has
+            one (``"balanced4"``, explicit lists, ``"per_block"``), else world size / ``data_parallel_size``.
         data_parallel_size: number of pipeline replicas; data is sharded across replicas only.
-        tensor_parallel_size: processes every stage's vocabulary layers (embedding rows, decoder columns) are
-            split over with torch's tensor-parallel API; the loss is computed on the sharded logits
-            (``loss_parallel``). The model must offer ``parallelize_vocabulary`` (``LSTMLanguageModel`` does).
-        data_parallel_weights: relative batch share of each replica, for unequal devices (the seed's
+        tensor_parallel_size: processes every stage's vocabulary layers (embedding rows, decoder columns) are split
+            over with torch's tensor-parallel API; the loss is computed on the sharded logits (``loss_parallel``).
+        data_parallel_weights: relative batch share of each replica, for unequal devices (MXNet's
             ``work_load_list``); gradients stay exact because the loss is divided by the global batch's weight.
-        stages_per_rank: pipeline stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and
-            V-shaped schedules.
-        schedule: one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
-            DualPipeV (case-insensitive).
-        n_microbatches: microbatches per replica batch; default: the number of stages; ``"auto"``: the count
-            with the lowest step time predicted from stage times measured at every candidate size.
+        stages_per_rank: pipeline stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and V-shaped
+            schedules.
+        schedule: one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV
+            (case-insensitive).
+        n_microbatches: microbatches per replica batch; default: the number of stages; ``"auto"``: the count with the
+            lowest step time predicted from stage times measured at every candidate size.
         partition: ``"even"``, ``"balanced"`` (the exact contiguous split minimizing the slowest stage; see
-            ``balance_by``), ``"per_block"`` (one block per stage) or one list of the model's block names per
-            stage.
+            ``balance_by``), ``"balanced<N>"`` (the same over N stages), ``"per_block"`` (one block per stage) or
+            one list of block names per stage.
         balance_by: what ``"balanced"`` balances: ``"time"`` (forward + backward measured on the devices),
             ``"flops"`` or ``"memory"``.
         stage_speeds: relative speed of each stage's device for balancing (default: all equal).
-        report_after_steps: log the partition report again with measured stage times and step time after this
-            many training batches (``None``: never).
-        checkpoint_format: ``"file"``: one checkpoint file, gathered on global rank 0 while saving (loads
-            anywhere, plain Lightning included); ``"sharded"``: a directory where every rank writes its own
-            tensors with ``torch.distributed.checkpoint`` (nothing is gathered; loads on any ``mp_lstm`` layout).
-        timeout: process-group timeout (seconds or ``timedelta``): a crashed rank ends the run instead of
-            hanging it.
-        num_threads: CPU threads per process; ``"auto"`` shares the machine's cores between the local
-            processes. Ignored on GPUs.
+        report_after_steps: log the partition report again with measured stage times and step time after this many
+            training batches (``None``: never).
+        checkpoint_format: ``"file"``: one checkpoint file, gathered on global rank 0 while saving (loads anywhere,
+            plain Lightning included); ``"sharded"``: a directory where every rank writes its own tensors with
+            ``torch.distributed.checkpoint`` (nothing is gathered; loads on any ``mp_lstm`` layout).
+        timeout: process-group timeout (seconds or ``timedelta``): a crashed rank ends the run instead of hanging
+            it.
+        num_threads: CPU threads per process; ``"auto"`` shares the machine's cores between the local processes.
+            Ignored on GPUs.
         process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
     """
 
@@ -118,21 +122,28 @@ class MPLSTMStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else ckpt.AtomicCheckpointIO(),
-            precision_plugin=precision_plugin,
-        )
-        self._options = PlanOptions(
-            partition="even" if partition is None else partition,
-            balance_by=balance_by,
-            stage_speeds=tuple(stage_speeds) if stage_speeds is not None else None,
-            n_microbatches=n_microbatches,
-        )
-        _check_process_options(pipeline_parallel_size, data_parallel_size, data_parallel_weights, schedule,
-                               timeout, num_threads, tensor_parallel_size)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
+                         checkpoint_io=checkpoint_io if checkpoint_io is not None else ckpt.AtomicCheckpointIO())
+        self._options = PlanOptions(partition="even" if partition is None else partition, balance_by=balance_by,
+                                    stage_speeds=tuple(stage_speeds) if stage_speeds is not None else None,
+                                    n_microbatches=n_microbatches)
+        check_positive_int("pipeline_parallel_size", pipeline_parallel_size, LayoutError, also=("auto",))
+        check_positive_int("data_parallel_size", data_parallel_size, LayoutError)
+        check_positive_int("tensor_parallel_size", tensor_parallel_size, LayoutError)
+        if data_parallel_weights is not None:
+            if isinstance(data_parallel_weights, str):
+                raise LayoutError(f"data_parallel_weights must be positive numbers, one per replica, got "
+                                  f"{data_parallel_weights!r}")
+            for weight in data_parallel_weights:
+                check_positive_number(f"data_parallel_weights (got {data_parallel_weights!r}): each weight", weight,
+                                      LayoutError)
+        schedule_style(schedule)
+        if checkpoint_format not in ("file", "sharded"):
+            raise ValueError(f"unknown checkpoint_format {checkpoint_format!r}; allowed: file, sharded")
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        check_positive_number("timeout (seconds or a timedelta)", seconds)
+        check_positive_int("num_threads", num_threads, also=("auto",))
         self._pipeline_parallel_size = pipeline_parallel_size
         self._data_parallel_size = data_parallel_size
         self._tensor_parallel_size = tensor_parallel_size
@@ -140,28 +151,27 @@ class MPLSTMStrategy(ParallelStrategy):
         self._stages_per_rank = stages_per_rank
         self._schedule = schedule
         self._report_after_steps = report_after_steps
-        if checkpoint_format not in ("file", "sharded"):
-            raise ValueError(f"unknown checkpoint_format {checkpoint_format!r}; allowed: file, sharded")
         self._checkpoint_format = checkpoint_format
-        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._timeout = timedelta(seconds=float(seconds))
         self._num_threads = num_threads
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self._layout: ParallelLayout | None = None
         self._device_mesh: DeviceMesh | None = None
         self._plan: PipelinePlan | None = None
+        self._engine: PipelineEngine | None = None
+        self._engine_module: Any = None
+        self._metrics = LanguageModelMetrics()
         self._measurements: report.Measurements | None = None
         self._batch_start_times: list[float] = []
-        self._batch_grads: list[Tensor | None] = []
         self._peers: PeerDirectory | None = None
         self._full_state_keys: list[str] | None = None
         self._full_parameter_names: list[str] | None = None
         self._aliases: dict[str, str] = {}
-        self._tied = TiedWeights()
         if pipeline_parallel_size != "auto":
-            self._resolve_layout(int(pipeline_parallel_size) * int(data_parallel_size) * int(tensor_parallel_size))
+            self._resolve_layout(pipeline_parallel_size * data_parallel_size * tensor_parallel_size)
 
-    # ----- layout and plan -------------------------------------------------------------------------
+    # ----- layout and plan -------------------------------------------------------------------------------
     def _resolve_layout(self, world_size: int) -> ParallelLayout:
         """The layout for ``world_size`` processes, resolved once: later ``validate``/``test``/``predict`` calls
         keep what ``fit`` resolved (the ``n_microbatches`` the plan chose included)."""
@@ -170,27 +180,23 @@ class MPLSTMStrategy(ParallelStrategy):
         layout = self._layout
         if layout is None or layout.world_size != world_size:
             m = self._options.n_microbatches
-            layout = ParallelLayout.resolve(
-                world_size, self._data_parallel_size, self._pipeline_parallel_size, self._stages_per_rank,
-                self._schedule, m if isinstance(m, int) else None, self._tensor_parallel_size,
-            )
+            layout = ParallelLayout.resolve(world_size, self._data_parallel_size, self._pipeline_parallel_size,
+                                            self._stages_per_rank, self._schedule, m if isinstance(m, int) else None,
+                                            self._tensor_parallel_size)
             weights = self._data_parallel_weights
             if weights is not None and len(weights) != layout.data_parallel_size:
-                raise LayoutError(
-                    f"data_parallel_weights={weights} must hold one positive weight per replica "
-                    f"(data_parallel_size={layout.data_parallel_size})"
-                )
+                raise LayoutError(f"data_parallel_weights={weights} must hold one positive weight per replica "
+                                  f"(data_parallel_size={layout.data_parallel_size})")
             self._layout = layout
         return layout
 
-    def processes_for(self, model: Any) -> int | None:
+    def processes_for(self, model: pl.LightningModule) -> int | None:
         """The number of processes this strategy needs for ``model``, when its options determine it (an explicit
         ``pipeline_parallel_size``, or a partition with a stage count); else ``None``: the Trainer's devices."""
-        dp = int(self._data_parallel_size) * int(self._tensor_parallel_size)
+        dp = self._data_parallel_size * self._tensor_parallel_size
         if self._pipeline_parallel_size != "auto":
-            return dp * int(self._pipeline_parallel_size)
-        check_model(model)
-        stages = self._options.stage_count(model.block_names)
+            return dp * self._pipeline_parallel_size
+        stages = self._options.stage_count(self._blocks(model).block_names)
         if stages is None:
             return None
         _, style = schedule_style(self._schedule)
@@ -201,8 +207,8 @@ class MPLSTMStrategy(ParallelStrategy):
 
     @property
     def layout(self) -> ParallelLayout:
-        """The resolved parallel layout (available once the world size is known; after planning, with the
-        chosen number of microbatches)."""
+        """The resolved parallel layout (once the world size is known; after planning, with the chosen number of
+        microbatches)."""
         if self._plan is not None:
             return self._plan.layout
         if self._layout is None:
@@ -220,6 +226,13 @@ class MPLSTMStrategy(ParallelStrategy):
     def partition(self) -> list[list[str]]:
         """Block names of every pipeline stage, in stage order (known after ``setup``)."""
         return [list(stage) for stage in self.plan.partition]
+
+    @property
+    def engine(self) -> PipelineEngine:
+        """The engine that runs this process's stages (after ``setup``)."""
+        if self._engine is None:
+            raise RuntimeError("the pipeline engine is built in setup()")
+        return self._engine
 
     @property
     def measurements(self) -> report.Measurements | None:
@@ -251,23 +264,27 @@ class MPLSTMStrategy(ParallelStrategy):
         """Which shard of its stage's split weights this process holds."""
         return self.layout.tensor_rank(self.global_rank)
 
-    # ----- Lightning plumbing ----------------------------------------------------------------------
+    # ----- Lightning plumbing ----------------------------------------------------------------------------
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
     @property
+    @override
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    @override
     def is_distributed(self) -> bool:
-        # The data module shards by data-parallel replica itself. A DistributedSampler injected by
-        # Lightning would also shard across pipeline stages, which must all see the same batch.
+        # The data module shards by data-parallel replica itself. A DistributedSampler injected by Lightning would
+        # also shard across pipeline stages, which must all see the same batch.
         return False
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.layout.data_parallel_size, "rank": self.data_parallel_rank}
 
@@ -281,9 +298,22 @@ class MPLSTMStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the model must be pruned and the optimizers built before state is loaded
 
+    @property
+    @override
+    def precision_plugin(self) -> PipelinePrecision:
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Whatever Lightning chose from Trainer(precision=...), wrapped: the pipeline's backward, reductions, clip.
+        self._precision_plugin = plugin if isinstance(plugin, PipelinePrecision) else PipelinePrecision(plugin)
+
+    @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
         """With ``empty_init=True`` (``trainer.init_module(empty_init=True)``) the model is built on the meta
@@ -295,6 +325,7 @@ class MPLSTMStrategy(ParallelStrategy):
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
+    @override
     def _configure_launcher(self) -> None:
         # Lightning calls this when the Trainer is built: fail on a wrong process count before any launch.
         world_size = self.num_nodes * self.num_processes
@@ -304,71 +335,61 @@ class MPLSTMStrategy(ParallelStrategy):
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @override
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         layout = self._resolve_layout(self.world_size)
         # Everything that can be wrong is checked here, on every rank, before the first collective.
         trainer = self.lightning_module.trainer
         self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING)
-        self._set_num_threads()
+        if self.root_device.type == "cpu":
+            local = max(1, self.num_processes)
+            threads = self._num_threads if self._num_threads != "auto" else max(1, (os.cpu_count() or 1) // local)
+            torch.set_num_threads(threads)
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+            self.root_device)
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
         if self._device_mesh is None:
             self._device_mesh = layout.build_mesh(self.root_device.type, self._process_group_backend, self._timeout)
         if _distributed_is_initialized() and self._peers is None:
             self._peers = PeerDirectory.gather()
 
-    def _set_num_threads(self) -> None:
-        if self.root_device.type != "cpu":
-            return
-        if self._num_threads == "auto":
-            threads = max(1, (os.cpu_count() or 1) // max(1, self.num_processes))
-        else:
-            threads = int(self._num_threads)
-        torch.set_num_threads(threads)
-
-    def check(self, model: Any, datamodule: Any = None, fitting: bool = True) -> None:
+    def check(self, model: pl.LightningModule, datamodule: Any = None, fitting: bool = True) -> None:
         """Check that this strategy can run ``model`` on ``datamodule``'s batches, without starting anything.
 
-        Runs on every rank before the first collective (so a bad setting fails everywhere at once instead of
-        hanging the others); call it yourself to fail before any process is launched. Needs a known layout
-        (an explicit ``pipeline_parallel_size``, or a strategy already attached to a Trainer).
+        Runs on every rank before the first collective (so a bad setting fails everywhere at once instead of hanging
+        the others); call it yourself to fail before any process is launched. Needs a known layout (an explicit
+        ``pipeline_parallel_size``, or a strategy already attached to a Trainer).
 
         Raises:
-            TypeError: the model lacks part of the :class:`~lightning_mp_lstm.contract.PipelineModel` contract,
-                or planning needs the data's batch shape and the data module does not say it.
+            TypeError: the model declares no pipeline (the message shows what to add), or planning needs the data's
+                batch shape and the data module does not say it.
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
             LayoutError: ``n_microbatches`` does not fit the batch.
         """
-        check_model(model)
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                f"precision {type(self.precision_plugin).__name__} with a gradient scaler is not supported: "
-                "the pipeline runs backward itself; use precision='32-true' or 'bf16-mixed'"
-            )
+        blocks = self._blocks(model)
+        if self.precision_plugin.scaler is not None:
+            raise ValueError(f"precision {type(self.precision_plugin.inner).__name__} with a gradient scaler is not "
+                             "supported: the pipeline runs backward itself; use precision='32-true' or 'bf16-mixed'")
         layout, options = self.layout, self._options
-        options.check(model.block_names, layout)
+        options.check(blocks.block_names, layout)
         if layout.tensor_parallel_size > 1:
-            if not hasattr(model, "parallelize_vocabulary"):
-                raise TypeError(
-                    f"tensor_parallel_size={layout.tensor_parallel_size} needs a model that splits its layers "
-                    f"(parallelize_vocabulary(mesh), as LSTMLanguageModel has); {type(model).__name__} has none"
-                )
-            check = getattr(model, "check_tensor_parallel", None)
+            if not hasattr(blocks, "parallelize_vocabulary"):
+                raise TypeError(f"tensor_parallel_size={layout.tensor_parallel_size} needs a model that splits its "
+                                f"vocabulary layers (parallelize_vocabulary(mesh)); {type(model).__name__}'s has none")
+            check = getattr(blocks, "check_tensor_parallel", None)
             if check is not None:
                 check(layout.tensor_parallel_size)
         if self._plan is not None:
@@ -392,46 +413,23 @@ class MPLSTMStrategy(ParallelStrategy):
             return  # budgets and weighted shares vary the rows: ragged batches get rows without loss
         dp = self.layout.data_parallel_size
         if batch_size % dp:
-            raise LayoutError(
-                f"batch_size={batch_size} sentences must split evenly over data_parallel_size={dp} replicas"
-            )
+            raise LayoutError(f"batch_size={batch_size} sentences must split evenly over data_parallel_size={dp} "
+                              "replicas")
         self.layout.check_batch(batch_size // dp)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        model = self.lightning_module
-        if self._plan is None:
-            self._plan = self._make_plan(model, trainer)
-            if trainer.state.fn == TrainerFn.FITTING:
-                rank_zero_info(f"mp_lstm: {self._plan.layout}\npartition (costs by {self._plan.cost_kind}):\n"
-                               f"{self.report}")
-        plan = self._plan
-        if self._full_state_keys is None:  # the whole model, before the first pruning (meta tensors are fine)
-            self._full_state_keys = list(model.state_dict())
-            self._full_parameter_names = [name for name, _ in model.named_parameters()]
-            self._aliases = shared_parameter_aliases(model)
-        mesh = self.device_mesh
-        build_pipeline(
-            model,
-            plan.layout,
-            plan.partition,
-            self.pipeline_rank,
-            pipeline_group=mesh["pipeline_parallel"].get_group(),
-            data_parallel_group=mesh["data_parallel"].get_group(),
-            device=self.root_device,
-            accumulate_grad_batches=lambda: trainer.accumulate_grad_batches,
-            seed=torch.initial_seed(),  # Lightning's seed_everything value, re-applied by reset_seed()
-            data_parallel_rank=self.data_parallel_rank,
-        )
-        if plan.layout.tensor_parallel_size > 1:
-            model.parallelize_vocabulary(mesh["tensor_parallel"])
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._tied = TiedWeights.build(model, self._aliases, plan.layout)
+        module = self.lightning_module
+        if self._engine is None or self._engine_module is not module:
+            self._engine = self._build_engine(module, trainer)
+            self._engine_module = module
+        self.precision_plugin.engine = self._engine
+        # A data module that gives each replica its own share of every batch says so; other batches are global.
+        self._engine.global_batches = not getattr(trainer.datamodule, "shards_data_parallel", False)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        # Lightning clips each process's gradients on their own; a split model needs the global norm.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -439,134 +437,120 @@ class MPLSTMStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _make_plan(self, model: Any, trainer: pl.Trainer) -> PipelinePlan:
+    def _blocks(self, module: pl.LightningModule) -> PipelineModel:
+        """The pipeline view of ``module``: the engine's, once it split this module (it is pruned then)."""
+        if self._engine is not None and self._engine_module is module:
+            return self._engine.model
+        return pipeline_model(module)
+
+    def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> PipelineEngine:
+        blocks = pipeline_model(module)
+        self._metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"))
+        if self._plan is None:
+            self._plan = self._make_plan(blocks, trainer)
+            if trainer.state.fn == TrainerFn.FITTING:
+                rank_zero_info(f"mp_lstm: {self._plan.layout}\npartition (costs by {self._plan.cost_kind}):\n"
+                               f"{self.report}")
+        if self._full_state_keys is None:  # the whole model, before pruning (meta tensors are fine)
+            self._full_state_keys = list(module.state_dict())
+            self._full_parameter_names = [name for name, _ in module.named_parameters()]
+            self._aliases = shared_parameter_aliases(module)
+        plan, mesh = self._plan, self.device_mesh
+        engine = build_engine(blocks, plan.layout, plan.partition, self.pipeline_rank, self.data_parallel_rank,
+                              ProcessGroups.of(mesh), self.root_device, seed=torch.initial_seed())
+        if plan.layout.tensor_parallel_size > 1:
+            blocks.parallelize_vocabulary(mesh["tensor_parallel"])
+        engine.tied = TiedWeights.build(module, self._aliases, plan.layout)  # after pruning: who holds which copy
+        return engine
+
+    def _make_plan(self, blocks: PipelineModel, trainer: pl.Trainer) -> PipelinePlan:
         datamodule = trainer.datamodule
         length = getattr(datamodule, "mean_padded_length", None) or 35
         rows = self._replica_rows(datamodule)
-        return make_plan(model, self.layout, self._options, rows, max(1, round(length)), self.root_device)
+        return make_plan(blocks, self.layout, self._options, rows, max(1, round(length)), self.root_device)
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
+    # ----- the steps: thin calls into the engine ---------------------------------------------------------
+    @override
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the batch forward and backward through the pipeline (the gradients wait in the precision plugin for
+        Lightning's ``backward``); log and return its loss."""
+        trainer = self.lightning_module.trainer
+        with self.precision_plugin.train_step_context():
+            result = self.engine.forward_backward(batch, accumulation=trainer.accumulate_grad_batches)
+        self.engine.check_finite(result.loss, f"global step {trainer.global_step} (epoch {trainer.current_epoch}, "
+                                              f"batch_idx {batch_idx})")
+        self._metrics.log(self.lightning_module, "train", result.loss, result.tokens, _rows(batch))
+        return result.loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        return self._evaluate(batch, "val", self.precision_plugin.val_step_context())
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        return self._evaluate(batch, "test", self.precision_plugin.test_step_context())
+
+    def _evaluate(self, batch: Any, split: str, context: Any) -> Tensor:
+        with context:
+            result = self.engine.evaluate(batch)
+        self._metrics.log(self.lightning_module, split, result.loss, result.tokens, _rows(batch))
+        return result.loss
+
+    @override
+    def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """The model's predictions of the batch (for a language model: per-token target log-probabilities,
+        next-token ids and the target mask), identical on every rank."""
+        with self.precision_plugin.predict_step_context():
+            return self.engine.predict(batch)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._report_after_steps is None or self._plan is None:
-            return
-        if len(self._batch_start_times) > self._report_after_steps:
-            return
-        self._batch_start_times.append(time.perf_counter())
-        if len(self._batch_start_times) == self._report_after_steps + 1:
-            self._measure(batch)
+        if batch_idx == 0:  # a new epoch: the stream starts again
+            self.engine.reset_state("train")
+            self._metrics.start_epoch()
+        if self._report_after_steps is not None and len(self._batch_start_times) <= self._report_after_steps:
+            self._batch_start_times.append(time.perf_counter())
+            if len(self._batch_start_times) == self._report_after_steps + 1:
+                self._measure(batch)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.engine.reset_state("eval")
+
+    @override
+    def on_test_start(self) -> None:
+        self.engine.reset_state("eval")
+
+    @override
+    def on_predict_start(self) -> None:
+        self.engine.reset_state("eval")
 
     def _measure(self, batch: Any) -> None:
         """Time every stage on its own process at this batch's microbatch shape; report on rank 0."""
-        model = self.lightning_module
-        rows = -(-int(batch[0].shape[0]) // self.layout.n_microbatches)
-        length = int(batch[0].shape[1])
-        parts = gather(lambda: profile.stage_seconds(model, model.pipeline.stage_modules, rows, length,
-                                                     self.root_device))
+        blocks, engine = self.engine.model, self.engine
+        inputs, _, _ = engine.prepare(batch)
+        rows, length = -(-int(inputs.shape[0]) // self.layout.n_microbatches), int(inputs.shape[1])
+        parts = gather(lambda: profile.stage_seconds(blocks, engine.stage_modules, rows, length, self.root_device))
         merged = {s: t for part in reversed(parts) for s, t in part.items()}
+        # Skip the first interval: it includes building the stages for new shapes.
         self._measurements = report.Measurements(
             stage_seconds=tuple(merged[s] for s in range(self.layout.num_stages)),
-            # Skip the first interval: it includes building the stages for new shapes.
-            step_seconds=profile.median_interval(self._batch_start_times[1:]),
-        )
+            step_seconds=profile.median_interval(self._batch_start_times[1:]))
         rank_zero_info(f"mp_lstm partition after {self._report_after_steps} steps:\n{self.report}")
 
-    # ----- optimization ----------------------------------------------------------------------------
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the training step; the schedule computes this batch's gradients inside it.
-
-        Lightning zeroes gradients between the training step and ``backward``, so the batch's gradients
-        are set aside here and added in :meth:`backward`, exactly where a plain backward pass would add them.
-        """
-        params = list(self.lightning_module.parameters())
-        earlier = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        output = super().training_step(*args, **kwargs)
-        self._batch_grads = [p.grad for p in params]
-        for p, grad in zip(params, earlier):
-            p.grad = grad
-        self._check_finite(output)
-        return output
-
-    def _check_finite(self, output: Any) -> None:
-        """Stop at a non-finite training loss, naming the step and the first block that produced one.
-
-        The loss is the global one on every rank (broadcast from the last stage, summed over replicas), so
-        every rank stops here together.
-        """
-        loss = output.get("loss") if isinstance(output, dict) else output
-        if not isinstance(loss, Tensor) or bool(torch.isfinite(loss.detach()).all()):
-            return
-        trainer = self.lightning_module.trainer
-        source = self.lightning_module.pipeline.non_finite_source()
-        raise FloatingPointError(
-            f"mp_lstm: the training loss is {float(loss.detach())} at global step {trainer.global_step} "
-            f"(epoch {trainer.current_epoch}, batch_idx {trainer.fit_loop.epoch_loop.batch_idx}); the first "
-            f"non-finite value came from {source}. Lower the learning rate, clip gradients "
-            "(gradient_clip_val) or check the data"
-        )
-
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that failed when this rank's error is only the symptom of losing it."""
         if self._peers is not None:
             self._peers.explain(exception)
 
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Add the gradients the pipeline computed in ``training_step``, firing the backward hooks around it."""
-        assert self.lightning_module is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        for p, grad in zip(self.lightning_module.parameters(), self._batch_grads):
-            if grad is not None:
-                p.grad = grad if p.grad is None else p.grad.add_(grad)
-        self._batch_grads = []
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        def closure_then_reduce() -> Any:
-            result = closure()
-            self._reduce_data_parallel_gradients()
-            self._tied.all_reduce()  # before clipping: the global norm sees the summed gradient
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-
-    def _reduce_data_parallel_gradients(self) -> None:
-        """Sum gradients over replicas, once per optimizer step.
-
-        Each replica's loss is already divided by the global batch's loss weight, so the sum is the gradient
-        of the global batch's mean loss.
-        """
-        if self.layout.data_parallel_size > 1:
-            all_reduce_gradients(self.lightning_module.parameters(), self.device_mesh["data_parallel"].get_group())
-
-    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float | int) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in self._tied.in_norm(params)]  # a tied weight's copies count once
-        # Sharded gradients: the squares of every shard are summed over the tensor-parallel group; replicated
-        # ones (equal on every shard) are counted once.
-        sharded = [local_tensor(g) for g in grads if isinstance(g, DTensor)]
-        plain = [g for g in grads if not isinstance(g, DTensor)]
-        squared = _squared_norm(plain, self.root_device)
-        if sharded:
-            shards = _squared_norm(sharded, self.root_device)
-            dist.all_reduce(shards, group=self.device_mesh["tensor_parallel"].get_group())
-            squared = squared + shards
-        if self.layout.pipeline_parallel_size > 1:
-            dist.all_reduce(squared, group=self.device_mesh["pipeline_parallel"].get_group())
-        norm = squared.sqrt()
-        # What clip_grads_with_norm_ does, on local shards: its foreach kernels refuse DTensor and plain grads mixed.
-        coefficient = torch.clamp(float(clip_val) / (norm + 1e-6), max=1.0)
-        for p in params:
-            grad = local_tensor(p.grad)
-            grad.mul_(coefficient.to(grad.device, grad.dtype))
-
-    # ----- collectives -----------------------------------------------------------------------------
+    # ----- collectives -----------------------------------------------------------------------------------
+    @override
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
@@ -575,6 +559,7 @@ class MPLSTMStrategy(ParallelStrategy):
         else:
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
@@ -582,15 +567,18 @@ class MPLSTMStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
     def block_backward_sync(self) -> Any:
         return nullcontext()
 
-    # ----- checkpoints -----------------------------------------------------------------------------
+    # ----- checkpoints -----------------------------------------------------------------------------------
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """One file: the full model's state dict on global rank 0 (empty elsewhere), gathered from all stages.
         Sharded: this process's own tensors (nothing is gathered)."""
@@ -604,6 +592,7 @@ class MPLSTMStrategy(ParallelStrategy):
         order = self._full_state_keys or list(merged)  # one process's order, whatever rank held which block
         return {k: merged[k] for k in order if k in merged}
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Name-keyed optimizer state: of every stage, merged on global rank 0 (one file), or this process's
         (sharded)."""
@@ -612,32 +601,33 @@ class MPLSTMStrategy(ParallelStrategy):
         if self._checkpoint_format == "sharded":
             return local
         parts = ckpt.gather_to_rank_zero(ckpt.full_tensors(local))
-        blocks = self.lightning_module.block_names
-        return ckpt.merge_optimizer_states(parts, block_names=blocks) if parts is not None else {}
+        return ckpt.merge_optimizer_states(parts, order=self._full_parameter_names) if parts is not None else {}
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """One file: written on global rank 0, atomically (see
-        :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`). Sharded: a directory every rank writes its
-        own tensors to (:func:`~lightning_mp_lstm.checkpoint.save_sharded`). A failed write fails every rank."""
+        :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`). Sharded: a directory every rank writes its own
+        tensors to (:func:`~lightning_mp_lstm.checkpoint.save_sharded`). A failed write fails every rank."""
         if self._checkpoint_format == "sharded":
-            blocks = self.lightning_module.block_names
             names_only = [{"state": {}, "param_groups": s["param_groups"]} for s in checkpoint["optimizer_states"]]
             every = gather(lambda: names_only)
-            groups = [ckpt.merge_optimizer_states([rank[i] for rank in every], block_names=blocks)["param_groups"]
-                      for i in range(len(names_only))]
+            groups = [ckpt.merge_optimizer_states([rank[i] for rank in every], order=self._full_parameter_names)[
+                "param_groups"] for i in range(len(names_only))]
             ckpt.save_sharded(checkpoint, filepath, groups, on_rank_zero=lambda fn: result_from(0, fn))
             return
         io = self.checkpoint_io
         result_from(0, lambda: io.save_checkpoint(checkpoint, filepath, storage_options=storage_options))
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a checkpoint on every rank (one file or a sharded directory, whichever format wrote it); a
-        truncated or foreign file gets a message naming it."""
+        """Read a checkpoint on every rank (one file or a sharded directory, whichever format wrote it); a truncated
+        or foreign file gets a message naming it."""
         if ckpt.is_sharded(checkpoint_path):
             optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
             return ckpt.load_sharded(checkpoint_path, self.lightning_module, optimizers, self._aliases)
         return ckpt.read_checkpoint(checkpoint_path, load=self.checkpoint_io.load_checkpoint)
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove a checkpoint (a file or a sharded directory) on global rank 0."""
         if self.is_global_zero:
@@ -646,32 +636,34 @@ class MPLSTMStrategy(ParallelStrategy):
             else:
                 self.checkpoint_io.remove_checkpoint(filepath)
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module
         own = ckpt.local_model_state(module, checkpoint["state_dict"], strict=strict, full_keys=self._full_state_keys)
         module.load_state_dict(ckpt.shard_like_parameters(own, module), strict=strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         names = self._full_parameter_names or [name for name, _ in self.lightning_module.named_parameters()]
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             state = ckpt.name_keyed_optimizer_state(state, names)  # a one-process checkpoint is keyed by position
             shards = ckpt.shard_like_parameters(state["state"], self.lightning_module, self._aliases, state=True)
-            state = {**state, "state": shards}
-            ckpt.load_local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, state,
-                                            self._aliases)
+            ckpt.load_local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module,
+                                            {**state, "state": shards}, self._aliases)
 
+    @override
     def teardown(self) -> None:
-        module = self.lightning_module
-        if module is not None and any(p.is_meta for p in module.parameters()):
-            # Failed before setup materialized the model: nothing to move back (and moving would hide the error).
-            self.model = None
-        super().teardown()
-        assert self.cluster_environment is not None
+        # As Lightning's ModelParallelStrategy: the model and optimizer state stay on their devices (no round trip
+        # to the CPU between fit, validate and test; sharded parameters keep their device mesh's device).
+        assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     def shutdown(self) -> None:
-        """End the job: wait for the processes this strategy launched and release the process group, so that
-        another ``Trainer`` in this process (the next job of a Hydra multirun) starts its own set of processes.
+        """End the job: wait for the processes this strategy launched and release the process group, so that another
+        ``Trainer`` in this process (the next job of a Hydra multirun) starts its own set of processes.
 
         Call it once no more ``fit``/``validate``/``test``/``predict`` calls will run with this strategy.
         """
@@ -679,37 +671,14 @@ class MPLSTMStrategy(ParallelStrategy):
             self._launcher.release()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         # Re-register a class re-created by ``importlib.reload`` of this module, so the name never yields a stale one.
         if cls.strategy_name not in strategy_registry or strategy_registry[cls.strategy_name]["strategy"] is not cls:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="pipeline (x data) parallel training of block models",
-                override=True,
-            )
+            strategy_registry.register(cls.strategy_name, cls, override=True,
+                                       description="pipeline (x data x tensor) parallel training of LSTM models")
 
 
-def _squared_norm(grads: list[Tensor], device: torch.device) -> Tensor:
-    if not grads:
-        return torch.zeros((), device=device)
-    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).to(device, torch.float32).pow(2)
-
-
-def _check_process_options(pipeline_parallel_size: Any, data_parallel_size: Any, weights: Any, schedule: str,
-                           timeout: Any, num_threads: Any, tensor_parallel_size: Any = 1) -> None:
-    """Reject process options that can never work, when the strategy is built (on every rank, before any process
-    group exists); checks that need the model or the world size run in ``setup_environment``."""
-    for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("data_parallel_size", data_parallel_size),
-                        ("tensor_parallel_size", tensor_parallel_size)):
-        if value != "auto" or name != "pipeline_parallel_size":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                allowed = "a positive integer or 'auto'" if name == "pipeline_parallel_size" else "a positive integer"
-                raise LayoutError(f"{name} must be {allowed}, got {value!r}")
-    if weights is not None and (isinstance(weights, str) or not all(
-            isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights)):
-        raise LayoutError(f"data_parallel_weights must be positive numbers, one per replica, got {weights!r}")
-    schedule_style(schedule)
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-    if num_threads != "auto" and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
-        raise ValueError(f"num_threads must be a positive integer or 'auto', got {num_threads!r}")
+def _rows(batch: Any) -> int:
+    """Sequences in this replica's batch (for Lightning's logging weights)."""
+    return int(batch[0].shape[0])

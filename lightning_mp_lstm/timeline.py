@@ -354,8 +354,8 @@ class PipelineTimeline(pl.Callback):
         wall, local = RECORDER.stop()
         if not local:  # a strategy whose stages do not report: the whole step counts as one computation
             local = [("compute", 0, 0, 0.0, wall, "", None)]
-        runner = getattr(pl_module, "pipeline", None)
-        tokens = int(runner.last_tokens) if runner is not None and runner.last_tokens is not None else 0
+        engine = getattr(trainer.strategy, "engine", None)  # None under another strategy
+        tokens = int(engine.last_tokens) if engine is not None and engine.last_tokens is not None else 0
         rank = trainer.global_rank
         parts: list[Any] = [(rank, wall, local)]
         if dist.is_available() and dist.is_initialized():

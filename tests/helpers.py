@@ -75,6 +75,7 @@ class FixedBatches(pl.LightningDataModule):
     """
 
     bucket_lengths = [5, 9]
+    shards_data_parallel = True  # each replica's loader yields its own rows
 
     def __init__(self, train_lengths: Iterable[int] = (5, 9, 7, 5, 9), rows: int = 8, seed: int = 3,
                  validate_on_train: bool = False) -> None:
@@ -137,13 +138,14 @@ class ValLosses(pl.Callback):
 
 
 class TrainLosses(pl.Callback):
-    """Records ``(global_step, train/loss)`` after every training batch: the logged loss curve."""
+    """Records ``(global_step, <key>)`` after every training batch: the logged loss curve."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str = "train/loss") -> None:
+        self.key = key
         self.values: list[tuple[int, float]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self.values.append((trainer.global_step, float(trainer.callback_metrics["train/loss"])))
+        self.values.append((trainer.global_step, float(trainer.callback_metrics[self.key])))
 
 
 class Gradients(pl.Callback):
@@ -335,16 +337,20 @@ class RecordBlockDevices(pl.Callback):
     def __init__(self, path: str) -> None:
         self.path = Path(path)
         self.seen: dict[str, Any] = {}
+        self.block_names: list[str] = []
 
-    @staticmethod
-    def _blocks(pl_module: pl.LightningModule) -> dict[str, list[str]]:
+    def _blocks(self, pl_module: pl.LightningModule) -> dict[str, list[str]]:
         blocks: dict[str, set[str]] = {}
         for name, param in pl_module.named_parameters():
-            block = next((b for b in getattr(pl_module, "block_names", []) if name.startswith(f"{b}.")), name)
+            block = next((b for b in self.block_names if name.startswith(f"{b}.")), name)
             blocks.setdefault(block, set()).add(str(param.device))
         return {block: sorted(devices) for block, devices in blocks.items()}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_mp_lstm.declaration import pipeline_model
+
+        if not self.block_names:  # before the strategy prunes the model
+            self.block_names = list(pipeline_model(pl_module).block_names)
         self.seen.setdefault("setup", self._blocks(pl_module))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

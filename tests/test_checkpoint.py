@@ -304,7 +304,7 @@ def test_a_one_process_optimizer_state_is_keyed_by_name_for_any_layout():
     model = _model()
     names = [n for n, _ in model.named_parameters()]
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    model(torch.randint(1, VOCAB, (2, 3))).sum().backward()
+    model(torch.randint(1, VOCAB, (2, 3)))[0].sum().backward()
     optimizer.step()
     positional = optimizer.state_dict()  # what Lightning's default strategy saves: parameters by position
     keyed = name_keyed_optimizer_state(positional, names)
@@ -394,12 +394,13 @@ def test_merged_optimizer_state_lists_parameters_in_model_order():
 
     rank0 = part(["embedding.weight", "decoder.weight", "decoder.bias"])
     rank1 = part(["lstm.0.weight_ih_l0", "lstm.0.bias_hh_l0", "lstm.1.weight_ih_l0"])
-    blocks = ["embedding", "lstm.0", "lstm.1", "decoder"]
-    merged = merge_optimizer_states([rank0, rank1, rank0, rank1], block_names=blocks)
+    order = ["embedding.weight", "lstm.0.weight_ih_l0", "lstm.0.bias_hh_l0", "lstm.1.weight_ih_l0", "decoder.weight",
+             "decoder.bias"]  # one process's named_parameters()
+    merged = merge_optimizer_states([rank0, rank1, rank0, rank1], order=order)
     assert merged["param_groups"] == [{"lr": 0.1, "params": [
         "embedding.weight", "lstm.0.weight_ih_l0", "lstm.0.bias_hh_l0", "lstm.1.weight_ih_l0", "decoder.weight",
         "decoder.bias"]}]
     assert set(merged["state"]) == set(merged["param_groups"][0]["params"])
-    # Without block names the process order is kept (the old behaviour).
+    # Without an order the process order is kept.
     assert merge_optimizer_states([rank0, rank1])["param_groups"][0]["params"][:2] == ["embedding.weight",
                                                                                       "decoder.weight"]

@@ -24,6 +24,7 @@ from lightning_mp_lstm.app import (
     instantiate_callbacks,
     instantiate_loggers,
 )
+from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.timeline import PipelineTimeline
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -154,7 +155,7 @@ def test_every_option_composes_with_its_values_and_instantiates(group, option):
     assert isinstance(strategy, MPLSTMStrategy)
     model = build_model(cfg, strategy, VOCAB)
     assert model.hparams.num_layers == cfg.model.num_layers and model.hparams.vocab_size == VOCAB
-    assert model.block_names[-1] == "decoder"
+    assert pipeline_model(model).block_names[-1] == "decoder"
     assert {p.device.type for p in model.parameters()} == {"meta"}  # nothing allocated yet
     callbacks = instantiate_callbacks(cfg.get("callbacks"), cfg.trainer)
     loggers = instantiate_loggers(cfg.get("logger"))

@@ -35,7 +35,7 @@ def test_parameter_counts_match_torch(tie):
 
 
 def test_model_shape_validation():
-    with pytest.raises(CostError, match="embedding_dim == hidden_size"):
+    with pytest.raises(CostError, match="embedding_dim == the last layer.s hidden size"):
         ModelShape(100, 16, 32, 2, tie_weights=True)
     with pytest.raises(CostError, match="num_layers"):
         ModelShape(100, 16, 32, 0)

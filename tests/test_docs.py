@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
 PAGES = [
-    "index", "quickstart", "strategy", "architecture", "configuration", "layouts", "tensor_parallel", "partitioning",
+    "index", "quickstart", "bring_your_own_model", "strategy", "architecture", "configuration", "layouts",
+    "tensor_parallel", "partitioning",
     "timeline", "reliability", "data", "language_models", "generation", "benchmarks", "results", "api", "dependencies",
 ]
 
@@ -43,6 +44,20 @@ def test_pipeline_two_ranks_example_runs_as_a_script():
     found = re.findall(r"^final loss: (\S+)$", result.stdout, flags=re.MULTILINE)
     assert len(found) == 1, result.stdout[-4000:]  # printed once, on rank 0
     assert math.isfinite(float(found[0]))
+
+
+@pytest.mark.timeout(200)
+def test_word_language_model_example_trains_as_a_pipeline_and_loads_into_the_plain_module():
+    result = run_command([sys.executable, str(EXAMPLES / "word_language_model.py")], timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert len(re.findall(r"^final loss: \S+$", result.stdout, flags=re.MULTILINE)) == 1, result.stdout[-4000:]
+    assert "checkpoint loads into the plain RNNModel: 11 tensors" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_awd_lstm_example_trains_through_the_strategy():
+    loss = _load_example("awd_lstm").main()
+    assert math.isfinite(loss) and 0 < loss < 10
 
 
 @pytest.mark.timeout(60)

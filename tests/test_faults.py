@@ -200,9 +200,9 @@ class _PoisonLayer(pl.Callback):
     """At batch 2, the rank that holds ``lstm.1`` puts an infinity into its recurrent weights."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == 2 and pl_module.lstm is not None and "1" in pl_module.lstm:
+        if batch_idx == 2 and pl_module.lstm[1] is not None:  # the pruned model keeps only its own layers
             with torch.no_grad():
-                pl_module.lstm["1"].weight_hh_l0[0, 0] = float("inf")
+                pl_module.lstm[1].weight_hh_l0[0, 0] = float("inf")
 
 
 def _non_finite_worker(rank: int, world_size: int) -> dict:
@@ -227,25 +227,29 @@ def test_a_non_finite_loss_stops_every_rank_naming_the_step_and_the_block():
 
 # ----- dropout ---------------------------------------------------------------------------------------------
 class _MaskRecorder(pl.Callback):
-    """Hash of the zero pattern each dropout layer draws in training, in order, per block (shape-inference
-    passes of torch's pipelining, on uninitialized tensors, left out)."""
+    """Hash of the zero pattern each dropout draws in training, in order, per block (shape-inference passes of
+    torch's pipelining, on uninitialized tensors, left out). The model's blocks share one dropout module: the block
+    running is noted as each block starts."""
 
     def __init__(self) -> None:
         self.masks: dict[str, list[str]] = {}
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        stages = list(pl_module.pipeline.stage_modules.values())
-        for name, module in pl_module.named_modules():
-            if isinstance(module, torch.nn.Dropout):
-                block = name.rsplit(".", 1)[0]
+        stages = list(trainer.strategy.engine.stage_modules.values())
+        running: dict[str, str] = {}
+        for stage in stages:
+            for name, block in zip(stage.block_names, stage.blocks, strict=True):
+                block.register_forward_pre_hook(lambda module, args, name=name: running.update(block=name))
 
-                def record(module, inputs, output, block=block):
-                    if module.training and not any(getattr(stage, "inferring_shapes", False) for stage in stages):
-                        pattern = (output == 0) & (inputs[0] != 0)
-                        digest = hashlib.sha1(pattern.numpy().tobytes()).hexdigest()[:12]
-                        self.masks.setdefault(block, []).append(digest)
+        def record(module, inputs, output):
+            if module.training and not any(stage.inferring_shapes for stage in stages):
+                pattern = (output == 0) & (inputs[0] != 0)
+                digest = hashlib.sha1(pattern.numpy().tobytes()).hexdigest()[:12]
+                self.masks.setdefault(running["block"], []).append(digest)
 
-                module.register_forward_hook(record)
+        dropouts = {id(m): m for stage in stages for m in stage.modules() if isinstance(m, torch.nn.Dropout)}
+        for module in dropouts.values():
+            module.register_forward_hook(record)
 
 
 def _dropout_worker(rank: int, world_size: int, kwargs: dict, seed: int) -> dict:

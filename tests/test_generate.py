@@ -73,7 +73,7 @@ def _greedy(model: LSTMLanguageModel, vocab: Vocabulary, prompt_ids: list[int], 
     sequence, out = [vocab.eos_id, *prompt_ids], []
     with torch.no_grad():
         for _ in range(max_tokens):
-            logits = model(torch.tensor([sequence]))[0, -1]
+            logits = model(torch.tensor([sequence]))[0][0, -1]
             logits[vocab.pad_id] = -math.inf
             out.append(int(logits.argmax()))
             sequence.append(out[-1])
@@ -85,7 +85,7 @@ def _greedy(model: LSTMLanguageModel, vocab: Vocabulary, prompt_ids: list[int], 
 def _ranks(model: LSTMLanguageModel, vocab: Vocabulary, prompt_ids: list[int], sample: list[int]) -> list[int]:
     """For every generated token: how many tokens the model found more likely at that step (padding excluded)."""
     with torch.no_grad():
-        logits = model(torch.tensor([[vocab.eos_id, *prompt_ids, *sample]]))[0]
+        logits = model(torch.tensor([[vocab.eos_id, *prompt_ids, *sample]]))[0][0]
     ranks = []
     for t, token in enumerate(sample):
         row = logits[len(prompt_ids) + t].clone()  # the position whose next token is sample[t]

@@ -1,12 +1,14 @@
-"""The LSTM language model honours the pipeline contract; its initial values depend only on the seed and block."""
+"""The LSTM language model: a plain LightningModule whose declaration gives the pipeline contract; its initial values
+depend only on the seed and the block, so blocks materialized one by one equal the model built whole."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_mp_lstm import LSTMLanguageModel
+from lightning_mp_lstm import LSTMBlocks, LSTMLanguageModel
 from lightning_mp_lstm.contract import PipelineModel, check_model
+from lightning_mp_lstm.declaration import pipeline_model
 
 
 def _model(**kwargs) -> LSTMLanguageModel:
@@ -14,57 +16,104 @@ def _model(**kwargs) -> LSTMLanguageModel:
     return LSTMLanguageModel(40, **{"embedding_dim": 6, "hidden_size": 8, "num_layers": 3, **kwargs})
 
 
-def test_the_model_implements_the_contract():
+def _meta_model(**kwargs) -> LSTMLanguageModel:
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        return LSTMLanguageModel(40, **{"embedding_dim": 6, "hidden_size": 8, "num_layers": 3, **kwargs})
+
+
+def test_the_declaration_gives_the_contract():
     model = _model()
-    assert isinstance(model, PipelineModel)
-    check_model(model)
+    assert isinstance(model.configure_pipeline(), LSTMBlocks)
+    blocks = pipeline_model(model)
+    assert isinstance(blocks, PipelineModel)
+    check_model(blocks)
+    assert blocks.block_names == ["embedding", "lstm.0", "lstm.1", "lstm.2", "decoder"]
     with pytest.raises(TypeError, match=r"Linear lacks: block_names, blocks, keep_blocks, materialize_blocks"):
         check_model(torch.nn.Linear(2, 2))
 
 
+def test_the_chain_of_blocks_is_the_models_forward():
+    model = _model()
+    tokens = torch.randint(1, 40, (3, 7))
+    x = tokens
+    for _, block in pipeline_model(model).blocks():
+        x = block(x)
+    torch.testing.assert_close(x, model(tokens)[0], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("init_range", [0.1, None])
 def test_blocks_materialized_one_by_one_equal_the_whole_model(init_range):
-    whole = _model(init_range=init_range)
+    whole = _model(init_range=init_range).state_dict()
     for own in (["embedding", "lstm.0"], ["lstm.1"], ["lstm.2", "decoder"], ["lstm.0", "lstm.2"]):
-        torch.manual_seed(3)
-        with torch.device("meta"):
-            part = LSTMLanguageModel(40, embedding_dim=6, hidden_size=8, num_layers=3, init_range=init_range)
-        part.keep_blocks(own)
-        part.materialize_blocks(own, torch.device("cpu"))
+        part = _meta_model(init_range=init_range)
+        blocks = pipeline_model(part)
+        blocks.keep_blocks(own)
+        blocks.materialize_blocks(own, torch.device("cpu"))
         state = part.state_dict()
-        assert state and all(not t.is_meta for t in state.values())
+        assert sorted(state) == sorted(k for k in whole if any(k.startswith(f"{b}.") for b in own)), own
         for name, value in state.items():
-            assert torch.equal(value, whole.state_dict()[name]), (own, name)
+            assert torch.equal(value, whole[name]), (own, name)
 
 
 def test_initial_values_depend_on_the_seed_and_differ_between_blocks():
     a, b = _model(), _model()
-    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     torch.manual_seed(4)
     c = LSTMLanguageModel(40, embedding_dim=6, hidden_size=8, num_layers=3)
     assert not torch.equal(a.embedding.weight, c.embedding.weight)
-    assert not torch.equal(a.lstm["1"].weight_hh_l0, a.lstm["2"].weight_hh_l0)  # same shape, own stream
+    assert not torch.equal(a.lstm[1].weight_hh_l0, a.lstm[2].weight_hh_l0)  # same shape, own stream
 
 
-def test_tied_weights_survive_materialization():
-    torch.manual_seed(3)
-    with torch.device("meta"):
-        model = LSTMLanguageModel(40, embedding_dim=8, hidden_size=8, num_layers=1, tie_weights=True)
-    model.materialize_blocks(model.block_names, torch.device("cpu"))
-    assert model.decoder.weight is model.embedding.weight and not model.embedding.weight.is_meta
+def test_building_leaves_the_global_random_state_as_one_draw():
+    torch.manual_seed(9)
+    LSTMLanguageModel(40, embedding_dim=6, hidden_size=8, num_layers=3)
+    after_model = torch.rand(1)
+    torch.manual_seed(9)
+    torch.randint(0, 2**62, (1,))  # the model's seed, drawn once; the blocks use their own generators
+    assert torch.equal(torch.rand(1), after_model)
+
+
+@pytest.mark.parametrize("own", [["embedding", "lstm.0", "decoder"], ["decoder"]])
+def test_tied_weights_survive_materialization(own):
+    whole = _model(embedding_dim=8, num_layers=1, tie_weights=True)
+    part = _meta_model(embedding_dim=8, num_layers=1, tie_weights=True)
+    blocks = pipeline_model(part)
+    blocks.keep_blocks(own)
+    blocks.materialize_blocks(own, torch.device("cpu"))
+    assert not part.decoder.weight.is_meta
+    assert torch.equal(part.decoder.weight, whole.embedding.weight)  # the copy starts as the embedding does
+    assert torch.equal(part.decoder.bias, whole.decoder.bias)
+    if "embedding" in own:
+        assert part.decoder.weight is part.embedding.weight
 
 
 def test_contract_helpers():
     model = _model()
+    blocks = pipeline_model(model)
     cpu = torch.device("cpu")
-    assert model.example_input("embedding", 2, 5, cpu).shape == (2, 5)
-    assert model.example_input("lstm.0", 2, 5, cpu).shape == (2, 5, 6)
-    assert model.example_input("decoder", 2, 5, cpu).shape == (2, 5, 8)
-    block = model.build_block("lstm.1", cpu)
-    assert block is not model.lstm["1"] and block.weight_hh_l0.shape == model.lstm["1"].weight_hh_l0.shape
-    inputs, targets = model.pad_rows(torch.ones(3, 4, dtype=torch.long), torch.ones(3, 4, dtype=torch.long), 1)
-    assert inputs.shape == (4, 4) and int(model.loss_weight(targets)) == 12
-    logits = model(inputs)
-    assert torch.equal(model.microbatch_loss(logits, targets), model.microbatch_loss(logits[:3], targets[:3]))
-    assert set(model.analytic_costs("parameters", 2, 5)) == set(model.block_names)
-    assert sum(model.analytic_costs("parameters", 2, 5).values()) == sum(p.numel() for p in model.parameters())
+    assert blocks.example_input("embedding", 2, 5, cpu).shape == (2, 5)
+    assert blocks.example_input("lstm.0", 2, 5, cpu).shape == (2, 5, 6)
+    assert blocks.example_input("decoder", 2, 5, cpu).shape == (2, 5, 8)
+    built = blocks.build_block("lstm.1", cpu)
+    original = model.lstm[1].weight_hh_l0
+    assert built.weight_hh.shape == original.shape and built.weight_hh is not original
+    inputs, targets = blocks.pad_rows(torch.ones(3, 4, dtype=torch.long), torch.ones(3, 4, dtype=torch.long), 1)
+    assert inputs.shape == (4, 4) and int(blocks.loss_weight(targets)) == 12
+    logits = model(inputs)[0]
+    assert torch.equal(blocks.microbatch_loss(logits, targets), blocks.microbatch_loss(logits[:3], targets[:3]))
+    counts = blocks.analytic_costs("parameters", 2, 5)
+    assert list(counts) == blocks.block_names and sum(counts.values()) == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="unknown cost kind 'time'"):
+        blocks.analytic_costs("time", 2, 5)
+
+
+def test_carry_state_continues_each_row_from_where_it_ended():
+    model = _model(carry_state=True).eval()
+    tokens = torch.randint(1, 40, (2, 10))
+    whole, _ = model(tokens)
+    model.on_validation_epoch_start()
+    first = model.validation_step((tokens[:, :6], tokens[:, 1:7]), 0)  # keeps (h, c) of the first 6 steps
+    logits, _ = model(tokens[:, 6:], model._state["eval"])
+    torch.testing.assert_close(logits, whole[:, 6:], rtol=0, atol=1e-6)
+    assert torch.isfinite(first)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_mp_lstm import plan as plan_module
+from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.partition import PartitionError
 from lightning_mp_lstm.plan import PlanOptions, make_plan, microbatch_candidates, step_time
@@ -70,7 +71,7 @@ def test_a_plan_is_frozen_and_fingerprinted():
     assert even.partition == (("embedding", "lstm.0", "lstm.1"), ("lstm.2", "lstm.3", "decoder"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.partition = ()
-    assert plan.cost_kind == "flops" and [n for n, _ in plan.block_costs] == model.block_names
+    assert plan.cost_kind == "flops" and [n for n, _ in plan.block_costs] == pipeline_model(model).block_names
     assert sum(c for _, c in plan.block_parameters) == sum(p.numel() for p in model.parameters())
     assert plan.blocks_of(0) == list(plan.partition[0]) and plan.stage_of("decoder") == 1
 

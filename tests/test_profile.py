@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from lightning_mp_lstm import profile
-from lightning_mp_lstm.pipeline import StageModule
+from lightning_mp_lstm.declaration import pipeline_model
+from lightning_mp_lstm.stages import StageModule
 from tests.helpers import tiny_model
 
 
 def test_block_seconds_are_positive_and_grow_with_the_vocabulary():
-    small = tiny_model(num_layers=2, vocab=50, hidden_size=64)
-    big = tiny_model(num_layers=2, vocab=8000, hidden_size=64)
+    small = pipeline_model(tiny_model(num_layers=2, vocab=50, hidden_size=64))
+    big = pipeline_model(tiny_model(num_layers=2, vocab=8000, hidden_size=64))
     cpu = torch.device("cpu")
     times_small = profile.block_seconds(small, small.block_names, 4, 16, cpu, repeats=5, warmup=1)
     times_big = profile.block_seconds(big, big.block_names, 4, 16, cpu, repeats=5, warmup=1)
@@ -24,7 +25,8 @@ def test_profiling_builds_its_blocks_on_the_device_and_leaves_the_model_alone():
     there (here: the meta device) -- the order bug that crashed CUDA runs profiling CPU blocks with GPU inputs."""
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = tiny_model(num_layers=2)
+        module = tiny_model(num_layers=2)
+    model = pipeline_model(module)
     devices = []
     timer = profile._time
 
@@ -40,16 +42,17 @@ def test_profiling_builds_its_blocks_on_the_device_and_leaves_the_model_alone():
         profile._time = timer
     assert set(times) == set(model.block_names) and set(devices) == {"cpu"}
     assert torch.equal(torch.get_rng_state(), state)  # no random draw leaks out
-    assert all(p.is_meta for p in model.parameters())  # nothing of the model was materialized
+    assert all(p.is_meta for p in module.parameters())  # nothing of the model was materialized
 
 
 def test_stage_seconds_time_the_real_modules_without_keeping_gradients():
-    model = tiny_model(num_layers=2)
+    module = tiny_model(num_layers=2)
+    model = pipeline_model(module)
     stages = {0: StageModule(model.blocks(["embedding", "lstm.0"])),
               1: StageModule(model.blocks(["lstm.1", "decoder"]))}
     times = profile.stage_seconds(model, stages, 2, 5, torch.device("cpu"))
     assert sorted(times) == [0, 1] and all(t > 0 for t in times.values())
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in module.parameters())
 
 
 def test_median_interval():

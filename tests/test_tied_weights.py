@@ -17,6 +17,7 @@ import torch
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.checkpoint import read_checkpoint
+from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.tied import shared_parameter_aliases
 from tests.helpers import (
     FixedBatches,
@@ -130,7 +131,8 @@ def test_a_decoder_built_on_meta_without_its_embedding_starts_from_the_embedding
     torch.manual_seed(7)
     with torch.device("meta"):
         part = tiny_model(num_layers=1, embedding_dim=8, hidden_size=8, tie_weights=True, seed=7)
-    part.keep_blocks(["lstm.0", "decoder"])
-    part.materialize_blocks(["lstm.0", "decoder"], torch.device("cpu"))
+    blocks = pipeline_model(part)
+    blocks.keep_blocks(["lstm.0", "decoder"])
+    blocks.materialize_blocks(["lstm.0", "decoder"], torch.device("cpu"))
     assert torch.equal(part.decoder.weight, whole.embedding.weight)
     assert torch.equal(part.decoder.bias, whole.decoder.bias)

@@ -122,6 +122,10 @@ class LMDataModule(pl.LightningDataModule):
         ValueError: For an invalid argument combination.
     """
 
+    #: Each data-parallel replica gets its own share of every global batch from this module (the ``mp_lstm``
+    #: strategy then does not split the batches it is given).
+    shards_data_parallel = True
+
     def __init__(
         self,
         source: str = "synthetic",

@@ -1,0 +1,171 @@
+"""The pipeline blocks of an LSTM language model: views onto a user's own modules, never copies.
+
+A block maps one tensor to one tensor, batch first: the embedding (token ids -> vectors, then dropout), one LSTM
+layer (vectors -> vectors, carrying ``(h, c)`` across batches when asked), the decoder (vectors -> logits). The
+blocks are not registered on the user's module, so its parameter names never change; a multi-layer ``nn.LSTM``
+is split into layers by :class:`LayerwiseLSTM`, which holds the very same parameters under the very same names
+(``rnn.weight_ih_l2``), so a process can keep only some of the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DecoderBlock", "EmbeddingBlock", "LSTMLayerBlock", "LayerwiseLSTM", "lstm_layer_names"]
+
+
+def lstm_layer_names(layer: int) -> list[str]:
+    """The parameter names ``nn.LSTM`` gives layer ``layer`` (unidirectional, with biases, no projection)."""
+    return [f"weight_ih_l{layer}", f"weight_hh_l{layer}", f"bias_ih_l{layer}", f"bias_hh_l{layer}"]
+
+
+def _lstm_sizes(layer: int, input_size: int, hidden_size: int) -> list[tuple[int, ...]]:
+    width = input_size if layer == 0 else hidden_size
+    return [(4 * hidden_size, width), (4 * hidden_size, hidden_size), (4 * hidden_size,), (4 * hidden_size,)]
+
+
+class LayerwiseLSTM(nn.Module):
+    """A multi-layer ``nn.LSTM`` taken apart by layer, with the parameter names ``nn.LSTM`` gives them.
+
+    It replaces the user's ``nn.LSTM`` attribute (same parameters, same names, nothing copied); removing layers
+    (:meth:`keep_layers`) never renames the others, so checkpoints of any layout load into the plain module.
+
+    Args:
+        lstm: the ``nn.LSTM`` to take apart (unidirectional, with biases, no projection).
+    """
+
+    def __init__(self, lstm: nn.LSTM) -> None:
+        super().__init__()
+        self.input_size, self.hidden_size, self.num_layers = lstm.input_size, lstm.hidden_size, lstm.num_layers
+        self.dropout = float(lstm.dropout)  # between layers, in training, as nn.LSTM applies it
+        self.batch_first = lstm.batch_first
+        for layer in range(self.num_layers):
+            for name in lstm_layer_names(layer):
+                self.register_parameter(name, getattr(lstm, name))
+
+    def layers(self) -> list[int]:
+        """The layers present (in order)."""
+        return [k for k in range(self.num_layers) if hasattr(self, f"weight_ih_l{k}")]
+
+    def layer_parameters(self, layer: int) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in lstm_layer_names(layer)]
+
+    def keep_layers(self, layers: Iterable[int]) -> None:
+        """Remove every other layer's parameters."""
+        kept = set(layers)
+        for layer in self.layers():
+            if layer not in kept:
+                for name in lstm_layer_names(layer):
+                    delattr(self, name)
+
+    def set_layer(self, layer: int, values: list[torch.Tensor]) -> None:
+        """Give layer ``layer`` these tensors as its parameters (materializing a layer built on meta)."""
+        for name, value in zip(lstm_layer_names(layer), values, strict=True):
+            setattr(self, name, nn.Parameter(value))
+
+    def new_layer(self, layer: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Fresh tensors for layer ``layer``, initialized as ``nn.LSTM.reset_parameters`` does (global generator)."""
+        bound = 1.0 / self.hidden_size**0.5
+        return [torch.empty(size, device=device).uniform_(-bound, bound)
+                for size in _lstm_sizes(layer, self.input_size, self.hidden_size)]
+
+    def extra_repr(self) -> str:
+        return f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, layers held={self.layers()}"
+
+
+def run_lstm_layer(weights: list[torch.Tensor], x: torch.Tensor, state: Any, training: bool) -> tuple[Any, Any]:
+    """One batch-first LSTM layer over ``x`` (B, T, in) from ``state`` (``(h, c)`` or ``None``): what ``nn.LSTM``
+    computes for one layer (the same kernel, cuDNN on GPUs)."""
+    if state is None:
+        zeros = x.new_zeros(1, x.shape[0], weights[1].shape[1])
+        state = (zeros, zeros)
+    out, h, c = torch._VF.lstm(x, state, weights, True, 1, 0.0, training, False, True)
+    return out, (h, c)
+
+
+class EmbeddingBlock(nn.Module):
+    """Token ids -> embedding vectors, then dropout (if declared).
+
+    Dropout runs after the embedding module's call, hooks included: a vocabulary-parallel (row-wise) embedding
+    all-reduces its output in a hook, and dropout must see the sum.
+    """
+
+    def __init__(self, embedding: nn.Module, dropout: nn.Module | None) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.dropout = dropout
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        return self.dropout(x) if self.dropout is not None else x
+
+
+class LSTMLayerBlock(nn.Module):
+    """One LSTM layer, batch first, contiguous output, then dropout (between layers, or after the last one).
+
+    The layer's parameters are registered on the block too (the same tensors as the user's module holds), so a
+    pipeline stage sees exactly the parameters of its own blocks. With a ``slot`` set (see
+    :meth:`~lightning_mp_lstm.language_model.LanguageModelBlocks.microbatch_context`) it starts from the ``(h, c)``
+    it kept for that slot and keeps the final one, detached: truncated backpropagation through time across batches.
+
+    Args:
+        dropout: applied to the layer's output in training (``None``: none).
+    """
+
+    _NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+    def __init__(self, dropout: nn.Module | None) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.slot: tuple[str, int] | None = None
+        self.carried: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def set_weights(self, weights: list[torch.Tensor]) -> None:
+        """Run with these ``[w_ih, w_hh, b_ih, b_hh]`` (the user's parameters, not copies)."""
+        for name, weight in zip(self._NAMES, weights, strict=True):
+            if self._parameters.get(name) is not weight:
+                self.register_parameter(name, weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.carried.get(self.slot) if self.slot is not None else None
+        if state is not None and state[0].shape[1] != x.shape[0]:
+            raise ValueError(
+                f"carry_state: a batch of {x.shape[0]} rows follows one of {state[0].shape[1]} rows in the same "
+                "stream; carried state needs a constant number of rows (e.g. LMDataModule(mode='stream'))"
+            )
+        weights = [self._parameters[name] for name in self._NAMES]
+        out, (h, c) = run_lstm_layer(weights, x, state, self.training and torch.is_grad_enabled())
+        if self.slot is not None:
+            self.carried[self.slot] = (h.detach(), c.detach())
+        out = self.dropout(out) if self.dropout is not None else out
+        return out.contiguous()
+
+
+class DecoderBlock(nn.Module):
+    """Vectors -> logits over the vocabulary (optionally after dropout, when no LSTM layer precedes it)."""
+
+    def __init__(self, decoder: nn.Module, dropout: nn.Module | None = None) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.dropout(x) if self.dropout is not None else x)
+
+
+def dropout_module(value: nn.Module | float | None) -> nn.Module | None:
+    """A dropout module from a declared module or rate (``None`` or 0: no dropout)."""
+    if value is None or isinstance(value, nn.Module):
+        return value
+    return nn.Dropout(float(value)) if float(value) > 0 else None
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Summed cross-entropy of (B, T, V) logits against (B, T) targets, leaving ``ignore_index`` out."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index,
+                           reduction="sum")
