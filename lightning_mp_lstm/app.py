@@ -6,7 +6,6 @@ instantiates the data module, strategy, model, callbacks, logger and trainer fro
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import Any
@@ -185,9 +184,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         summary: dict[str, Any] = {
             "fit_seconds": fit_seconds,
             "tokens_per_s": float(trainer.callback_metrics.get("train/tokens_per_s_epoch", float("nan"))),
-            # normpath: the loggers' directory is given as <checkpoint_dir>/.. (the run directory)
-            "checkpoint": os.path.normpath(saved) if saved else None,
-            "logs": os.path.normpath(log_dir) if log_dir else None,
+            "checkpoint": saved or None,
+            "logs": log_dir,
             "entropy_floor_ppl": getattr(datamodule, "entropy_floor", None),
             "unigram_ppl": getattr(datamodule, "unigram_perplexity", None),
             "timeline": _timeline_paths(trainer),
@@ -209,7 +207,7 @@ def _timeline_paths(trainer: pl.Trainer) -> str | None:
     """The picture and the Chrome trace the timeline callback wrote, if it recorded a step."""
     for callback in trainer.callbacks:
         if isinstance(callback, PipelineTimeline) and callback.paths:
-            return ", ".join(os.path.normpath(callback.paths[k]) for k in ("png", "trace"))
+            return ", ".join(str(callback.paths[k]) for k in ("png", "trace"))
     return None
 
 

@@ -22,7 +22,7 @@ IN_PROCESS = [*TINY, ONE_PROCESS]
 
 def _compose(tmp_path: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=[f"checkpoint_dir={tmp_path}/checkpoints", *overrides])
+        return compose(config_name="train", overrides=[f"paths.output_dir={tmp_path}", *overrides])
 
 
 @pytest.mark.timeout(120)
@@ -69,7 +69,8 @@ def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_
     # The timeline callback is on by default: its picture and trace sit in the run directory.
     assert table[-2].split()[-2:] == [f"{tmp_path / 'timeline.png'},", str(tmp_path / "timeline.json")]
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "timeline.json").stat().st_size > 0
-    assert table[-3].split()[-1] == str(tmp_path / "logs") and (tmp_path / "logs" / "metrics.csv").is_file()
+    # The paths group: the run directory (paths.output_dir) holds the logs and the checkpoints.
+    assert Path(table[-3].split()[-1]) == tmp_path / "logs" and (tmp_path / "logs" / "metrics.csv").is_file()
     assert table[-4].split()[-1] == str(tmp_path / "checkpoints" / "best.ckpt")
     assert f"{summary['val_ppl']:,.2f}" in table[1]
 
