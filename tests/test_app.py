@@ -9,11 +9,12 @@ import signal
 import sys
 from pathlib import Path
 
+import hydra
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from lightning_mp_lstm.app import format_summary, train
+from lightning_mp_lstm.app import build_model, build_strategy, build_trainer, format_summary, metric_value, train
 from tests.helpers import ONE_PROCESS, ROOT, SMALL_SYNTHETIC, TINY_RUN, free_port, run_command, start_command
 
 TINY = [*TINY_RUN, *SMALL_SYNTHETIC]
@@ -63,7 +64,8 @@ def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_
     assert out.count(format_summary(summary)) == 1
     table = format_summary(summary).splitlines()
     assert [row[:28].strip() for row in table[1:-1]] == [
-        "validation perplexity", "test perplexity", "synthetic floor (true model)", "unigram baseline",
+        "validation perplexity", "test perplexity", "evaluated weights", "synthetic floor (true model)",
+        "unigram baseline",
         "train tokens / s", "fit time (s)", "checkpoint", "logs", "timeline (picture, trace)",
     ]
     # The timeline callback is on by default: its picture and trace sit in the run directory.
@@ -73,6 +75,47 @@ def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_
     assert Path(table[-3].split()[-1]) == tmp_path / "logs" and (tmp_path / "logs" / "metrics.csv").is_file()
     assert table[-4].split()[-1] == str(tmp_path / "checkpoints" / "best.ckpt")
     assert f"{summary['val_ppl']:,.2f}" in table[1]
+
+
+@pytest.mark.timeout(120)
+def test_the_summary_evaluates_the_best_checkpoint(tmp_path, capsys):
+    """Validation and test run on best.ckpt, not on the last weights: the table's test perplexity is exp of the
+    loss `trainer.test(ckpt_path=best)` gives, and the table says which weights it is from."""
+    torch.set_num_threads(1)
+    # Validation at steps 2 and 4 of 4; mode=max makes "best" the earlier, higher-loss one, so best != last. A
+    # second checkpoint callback (monitoring nothing) keeps the last weights, final.ckpt (Lightning 2.6 rewrites
+    # last.ckpt at a validation only together with a new best).
+    cfg = _compose(tmp_path, *IN_PROCESS, "trainer.val_check_interval=2", "callbacks.model_checkpoint.mode=max",
+                   "+callbacks.final._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+                   f"+callbacks.final.dirpath={tmp_path}/final", "+callbacks.final.filename=final")
+    summary = train(cfg)
+    best, last = tmp_path / "checkpoints" / "best.ckpt", tmp_path / "final" / "final.ckpt"
+    assert summary["checkpoint"] == str(best)
+    saved = torch.load(best, weights_only=False)
+    assert saved["global_step"] == 2 and torch.load(last, weights_only=False)["global_step"] == 4
+    score = next(s["best_model_score"] for k, s in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    # Validating the best checkpoint again gives the score it was saved for.
+    assert summary["val_loss"] == pytest.approx(float(score), rel=1e-5)
+    assert summary["evaluated"] == f"best.ckpt (val/loss {float(score):.4f}, step 2)"
+    assert summary["evaluated"] in capsys.readouterr().out
+    assert metric_value(summary, cfg.optimized_metric) == summary["metrics"]["val/loss"] == summary["val_loss"]
+    assert summary["metrics"]["test/loss"] == summary["test_loss"]
+
+    # The reference: a fresh Trainer tests each checkpoint.
+    again = _compose(tmp_path / "again", *IN_PROCESS, "~callbacks", "~logger")
+    strategy = build_strategy(again)
+    try:
+        datamodule = hydra.utils.instantiate(again.data)
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        model = build_model(again, strategy, datamodule.vocab_size)
+        trainer = build_trainer(again, strategy, model)
+        losses = {path.stem: trainer.test(model, datamodule=datamodule, ckpt_path=str(path), verbose=False)[0]
+                  ["test/loss"] for path in (best, last)}
+    finally:
+        strategy.shutdown()
+    assert summary["test_ppl"] == pytest.approx(math.exp(losses["best"]), rel=1e-6)
+    assert summary["test_ppl"] != pytest.approx(math.exp(losses["final"]), rel=1e-3)
 
 
 @pytest.mark.timeout(120)
@@ -88,8 +131,10 @@ def test_train_on_ptb_files(tmp_path, ptb):
         "buckets=mxnet",
         "model.hidden_size=16",
         "model.embedding_dim=16",
+        "~callbacks.model_checkpoint",  # Lightning's own checkpoint monitors nothing: the last weights are evaluated
     ]
     summary = train(_compose(tmp_path, *overrides))
+    assert summary["evaluated"] == "last (no best checkpoint)"
     # The vocabulary comes from the training file (PTB valid: 6,021 distinct words + <pad>).
     assert summary["entropy_floor_ppl"] is None
     assert 1 < summary["val_ppl"] < 2 * 6100
