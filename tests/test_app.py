@@ -27,21 +27,6 @@ def _compose(tmp_path: Path, *overrides: str):
 
 
 @pytest.mark.timeout(120)
-def test_train_on_the_synthetic_default(tmp_path):
-    torch.set_num_threads(1)
-    summary = train(_compose(tmp_path, *IN_PROCESS))
-    assert math.isclose(summary["val_ppl"], math.exp(summary["val_loss"]), rel_tol=1e-9)
-    assert math.isfinite(summary["test_ppl"])
-    # The floor and the unigram baseline come from the synthetic language itself.
-    assert 1 < summary["entropy_floor_ppl"] < summary["unigram_ppl"]
-    assert Path(summary["checkpoint"]).is_file()
-    assert (Path(summary["logs"]) / "metrics.csv").is_file()
-    checkpoint = torch.load(summary["checkpoint"], weights_only=False)
-    assert "embedding.weight" in checkpoint["state_dict"]
-    assert checkpoint["LMDataModule"]["vocab"]["tokens"][:3] == ["<pad>", "<unk>", "<eos>"]
-
-
-@pytest.mark.timeout(120)
 def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_table(tmp_path, capsys):
     """A one-process `python train.py layout=single` runs through the same strategy as every layout:
     the model is built on the meta device, the strategy materializes every block on its device, and the run
@@ -89,9 +74,15 @@ def test_the_summary_evaluates_the_best_checkpoint(tmp_path, capsys):
                    "+callbacks.final._target_=lightning.pytorch.callbacks.ModelCheckpoint",
                    f"+callbacks.final.dirpath={tmp_path}/final", "+callbacks.final.filename=final")
     summary = train(cfg)
+    assert math.isclose(summary["val_ppl"], math.exp(summary["val_loss"]), rel_tol=1e-9)
+    # The floor and the unigram baseline come from the synthetic language itself.
+    assert 1 < summary["entropy_floor_ppl"] < summary["unigram_ppl"]
+    assert (Path(summary["logs"]) / "metrics.csv").is_file()
     best, last = tmp_path / "checkpoints" / "best.ckpt", tmp_path / "final" / "final.ckpt"
     assert summary["checkpoint"] == str(best)
     saved = torch.load(best, weights_only=False)
+    assert "embedding.weight" in saved["state_dict"]
+    assert saved["LMDataModule"]["vocab"]["tokens"][:3] == ["<pad>", "<unk>", "<eos>"]
     assert saved["global_step"] == 2 and torch.load(last, weights_only=False)["global_step"] == 4
     score = next(s["best_model_score"] for k, s in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
     # Validating the best checkpoint again gives the score it was saved for.
