@@ -237,7 +237,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # Before evaluating: loading a checkpoint restores the checkpoint callback's state as it was saved.
         best = best_checkpoint(trainer)
         checkpoint = trainer.checkpoint_callback
-        saved = best.path if best else checkpoint.last_model_path if checkpoint is not None else None
+        saved = best.path if best else None
+        if saved is None and checkpoint is not None:  # the last one written (a monitor-less callback's "best")
+            saved = checkpoint.last_model_path or checkpoint.best_model_path
         log_dir = trainer.logger.log_dir if trainer.logger is not None else None
         summary: dict[str, Any] = {
             "fit_seconds": fit_seconds,

@@ -126,6 +126,7 @@ def test_train_on_ptb_files(tmp_path, ptb):
     ]
     summary = train(_compose(tmp_path, *overrides))
     assert summary["evaluated"] == "last (no best checkpoint)"
+    assert Path(summary["checkpoint"]).is_file()  # Lightning's own checkpoint, of the last weights
     # The vocabulary comes from the training file (PTB valid: 6,021 distinct words + <pad>).
     assert summary["entropy_floor_ppl"] is None
     assert 1 < summary["val_ppl"] < 2 * 6100
