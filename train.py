@@ -3,12 +3,14 @@
 import hydra
 from omegaconf import DictConfig
 
-from lightning_mp_lstm.app import train
+from lightning_mp_lstm.app import metric_value, train
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
-    train(cfg)
+def main(cfg: DictConfig) -> float | None:
+    """Train; return the value of ``optimized_metric`` (``val/loss``), which a Hydra sweeper minimizes
+    (``python train.py -m hparams_search=lstm_optuna``)."""
+    return metric_value(train(cfg), cfg.get("optimized_metric"))
 
 
 if __name__ == "__main__":

@@ -6,15 +6,16 @@ instantiates the data module, strategy, model, callbacks, logger and trainer fro
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import hydra
 import lightning.pytorch as pl
+import torch
 from hydra.errors import InstantiationException
-from lightning.pytorch.callbacks import Callback, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
@@ -24,8 +25,8 @@ from lightning_mp_lstm.layout import LayoutError
 from lightning_mp_lstm.model import perplexity
 from lightning_mp_lstm.timeline import PipelineTimeline
 
-__all__ = ["build_model", "build_strategy", "build_trainer", "check_resume", "format_summary", "instantiate_callbacks",
-           "instantiate_loggers", "train", "trainer_devices"]
+__all__ = ["BestCheckpoint", "best_checkpoint", "build_model", "build_strategy", "build_trainer", "check_resume",
+           "format_summary", "instantiate_callbacks", "instantiate_loggers", "metric_value", "train", "trainer_devices"]
 
 
 def _build(node: DictConfig, group: str, **kwargs: Any) -> Any:
@@ -140,6 +141,58 @@ def build_trainer(cfg: DictConfig, strategy: Any, model: Any) -> pl.Trainer:
     )
 
 
+class BestCheckpoint(NamedTuple):
+    """The checkpoint a :class:`~lightning.pytorch.callbacks.ModelCheckpoint` found best: where, and its score."""
+
+    path: str
+    monitor: str
+    score: float
+
+
+def best_checkpoint(trainer: pl.Trainer) -> BestCheckpoint | None:
+    """The best checkpoint of the Trainer's (first) ``ModelCheckpoint``, when it monitors a metric and wrote a
+    checkpoint with a score; else ``None`` (no checkpoint callback, Lightning's default one that monitors nothing,
+    or none written yet: a resumed run whose callback kept only the path of an earlier run's best)."""
+    callback = trainer.checkpoint_callback
+    if not isinstance(callback, ModelCheckpoint) or not callback.monitor or not callback.best_model_path:
+        return None
+    if callback.best_model_score is None:
+        return None
+    return BestCheckpoint(callback.best_model_path, callback.monitor, float(callback.best_model_score))
+
+
+class _LoadedStep(Callback):
+    """The global step of the checkpoint a ``validate``/``test`` loaded (for the summary's "evaluated weights")."""
+
+    def __init__(self) -> None:
+        self.global_step: int | None = None
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self.global_step = checkpoint.get("global_step")
+
+
+def metric_value(summary: dict[str, Any], name: str | None) -> float | None:
+    """The value of the metric ``name`` (``optimized_metric``: ``val/loss``) in a :func:`train` summary: what
+    ``train.py`` returns to a Hydra sweeper. ``None`` when ``name`` is empty.
+
+    Raises:
+        KeyError: the run logged no metric of that name (the message lists those it logged).
+    """
+    if not name:
+        return None
+    metrics = summary.get("metrics", {})
+    if name not in metrics:
+        raise KeyError(f"optimized_metric={name!r} was not logged by this run; it logged: "
+                       f"{', '.join(sorted(metrics)) or 'nothing'}")
+    return metrics[name]
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The single-number metrics of ``metrics`` (tensors or numbers), as floats."""
+    return {name: float(value) for name, value in metrics.items()
+            if not isinstance(value, torch.Tensor) or value.numel() == 1}
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train (and evaluate) the configured model; return the summary numbers.
 
@@ -147,15 +200,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     (on the meta device, inside the strategy's init context), the callbacks, the loggers and the Trainer (which
     resolves the layout; nothing is launched yet); then checks, before any process starts, the data's batches for
     the layout's replicas, that the strategy can run the model on them, and that ``ckpt_path`` fits; then fits,
-    validates and tests, prints the summary table on global rank 0, and ends the job's processes
-    (``strategy.shutdown()``) whatever happened.
+    validates and tests the best checkpoint (:func:`best_checkpoint`; the last weights when there is none), prints
+    the summary table on global rank 0, and ends the job's processes (``strategy.shutdown()``) whatever happened.
 
     Args:
         cfg: a config composed from ``conf/train.yaml``.
 
     Returns:
-        dict with validation/test loss and perplexity, the synthetic floor and unigram baseline (when
-        known), training tokens per second, the checkpoint and log directories.
+        dict with validation/test loss and perplexity and which weights they are from (``evaluated``), the
+        synthetic floor and unigram baseline (when known), training tokens per second, the checkpoint and log
+        directories, and ``metrics``: every scalar metric by name (``val/loss``, ``test/loss``, ...; after
+        evaluating, those of the evaluated weights), from which :func:`metric_value` reads ``optimized_metric``.
     """
     # Every rank holds the same global loss and metrics, so Lightning's advice to all-reduce them is moot.
     warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")
@@ -179,25 +234,37 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         started = time.perf_counter()
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         fit_seconds = time.perf_counter() - started
+        # Before evaluating: loading a checkpoint restores the checkpoint callback's state as it was saved.
+        best = best_checkpoint(trainer)
         checkpoint = trainer.checkpoint_callback
-        saved = (checkpoint.best_model_path or checkpoint.last_model_path) if checkpoint is not None else None
+        saved = best.path if best else None
+        if saved is None and checkpoint is not None:  # the last one written (a monitor-less callback's "best")
+            saved = checkpoint.last_model_path or checkpoint.best_model_path
         log_dir = trainer.logger.log_dir if trainer.logger is not None else None
         summary: dict[str, Any] = {
             "fit_seconds": fit_seconds,
             "tokens_per_s": float(trainer.callback_metrics.get("train/tokens_per_s_epoch", float("nan"))),
-            # normpath: the loggers' directory is given as <checkpoint_dir>/.. (the run directory)
-            "checkpoint": os.path.normpath(saved) if saved else None,
-            "logs": os.path.normpath(log_dir) if log_dir else None,
+            "checkpoint": saved or None,
+            "logs": log_dir,
             "entropy_floor_ppl": getattr(datamodule, "entropy_floor", None),
             "unigram_ppl": getattr(datamodule, "unigram_perplexity", None),
             "timeline": _timeline_paths(trainer),
+            "evaluated": None,
+            "metrics": _scalars(trainer.callback_metrics),  # the last validation's, unless evaluated below
         }
         if cfg.evaluate:
+            loaded = _LoadedStep()
+            trainer.callbacks.append(loaded)
             for split, run in (("val", trainer.validate), ("test", trainer.test)):
-                results = run(model, datamodule=datamodule, verbose=False)
+                # The best checkpoint, as lightning-hydra-template tests it (ckpt_path=best_model_path); the
+                # strategy loads it into whatever layout this run has.
+                results = run(model, datamodule=datamodule, ckpt_path=best.path if best else None, verbose=False)
+                summary["metrics"].update(_scalars(results[0]))
                 loss = float(results[0][f"{split}/loss"])
                 summary[f"{split}_loss"] = loss
                 summary[f"{split}_ppl"] = perplexity(loss)
+            trainer.callbacks.remove(loaded)
+            summary["evaluated"] = _weights(best, loaded.global_step)
     finally:
         strategy.shutdown()  # end this job's processes: the next job of a multirun starts its own
     if trainer.is_global_zero:
@@ -205,11 +272,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
+def _weights(best: BestCheckpoint | None, step: int | None) -> str:
+    """Which weights the evaluation ran on, for the summary table."""
+    if best is None:
+        return "last (no best checkpoint)"
+    at = f", step {step}" if step is not None else ""
+    return f"{Path(best.path).name} ({best.monitor} {best.score:.4f}{at})"
+
+
 def _timeline_paths(trainer: pl.Trainer) -> str | None:
     """The picture and the Chrome trace the timeline callback wrote, if it recorded a step."""
     for callback in trainer.callbacks:
         if isinstance(callback, PipelineTimeline) and callback.paths:
-            return ", ".join(os.path.normpath(callback.paths[k]) for k in ("png", "trace"))
+            return ", ".join(str(callback.paths[k]) for k in ("png", "trace"))
     return None
 
 
@@ -223,6 +298,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows = [
         ("validation perplexity", summary.get("val_ppl")),
         ("test perplexity", summary.get("test_ppl")),
+        ("evaluated weights", summary.get("evaluated")),
         ("synthetic floor (true model)", summary.get("entropy_floor_ppl")),
         ("unigram baseline", summary.get("unigram_ppl")),
         ("train tokens / s", summary.get("tokens_per_s")),

@@ -26,11 +26,11 @@ def ptb() -> Path:
 
 @pytest.fixture
 def compose_train(tmp_path: Path) -> Callable[..., DictConfig]:
-    """Compose ``conf/train.yaml`` with overrides, checkpoints under this test's ``tmp_path``."""
+    """Compose ``conf/train.yaml`` with overrides, the run directory (``paths.output_dir``) this test's ``tmp_path``."""
 
     def _compose(*overrides: str) -> DictConfig:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return compose(config_name="train", overrides=[f"checkpoint_dir={tmp_path}/checkpoints", *overrides])
+            return compose(config_name="train", overrides=[f"paths.output_dir={tmp_path}", *overrides])
 
     return _compose
 

@@ -9,11 +9,12 @@ import signal
 import sys
 from pathlib import Path
 
+import hydra
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from lightning_mp_lstm.app import format_summary, train
+from lightning_mp_lstm.app import build_model, build_strategy, build_trainer, format_summary, metric_value, train
 from tests.helpers import ONE_PROCESS, ROOT, SMALL_SYNTHETIC, TINY_RUN, free_port, run_command, start_command
 
 TINY = [*TINY_RUN, *SMALL_SYNTHETIC]
@@ -22,22 +23,7 @@ IN_PROCESS = [*TINY, ONE_PROCESS]
 
 def _compose(tmp_path: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=[f"checkpoint_dir={tmp_path}/checkpoints", *overrides])
-
-
-@pytest.mark.timeout(120)
-def test_train_on_the_synthetic_default(tmp_path):
-    torch.set_num_threads(1)
-    summary = train(_compose(tmp_path, *IN_PROCESS))
-    assert math.isclose(summary["val_ppl"], math.exp(summary["val_loss"]), rel_tol=1e-9)
-    assert math.isfinite(summary["test_ppl"])
-    # The floor and the unigram baseline come from the synthetic language itself.
-    assert 1 < summary["entropy_floor_ppl"] < summary["unigram_ppl"]
-    assert Path(summary["checkpoint"]).is_file()
-    assert (Path(summary["logs"]) / "metrics.csv").is_file()
-    checkpoint = torch.load(summary["checkpoint"], weights_only=False)
-    assert "embedding.weight" in checkpoint["state_dict"]
-    assert checkpoint["LMDataModule"]["vocab"]["tokens"][:3] == ["<pad>", "<unk>", "<eos>"]
+        return compose(config_name="train", overrides=[f"paths.output_dir={tmp_path}", *overrides])
 
 
 @pytest.mark.timeout(120)
@@ -63,15 +49,64 @@ def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_
     assert out.count(format_summary(summary)) == 1
     table = format_summary(summary).splitlines()
     assert [row[:28].strip() for row in table[1:-1]] == [
-        "validation perplexity", "test perplexity", "synthetic floor (true model)", "unigram baseline",
+        "validation perplexity", "test perplexity", "evaluated weights", "synthetic floor (true model)",
+        "unigram baseline",
         "train tokens / s", "fit time (s)", "checkpoint", "logs", "timeline (picture, trace)",
     ]
     # The timeline callback is on by default: its picture and trace sit in the run directory.
     assert table[-2].split()[-2:] == [f"{tmp_path / 'timeline.png'},", str(tmp_path / "timeline.json")]
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "timeline.json").stat().st_size > 0
-    assert table[-3].split()[-1] == str(tmp_path / "logs") and (tmp_path / "logs" / "metrics.csv").is_file()
+    # The paths group: the run directory (paths.output_dir) holds the logs and the checkpoints.
+    assert Path(table[-3].split()[-1]) == tmp_path / "logs" and (tmp_path / "logs" / "metrics.csv").is_file()
     assert table[-4].split()[-1] == str(tmp_path / "checkpoints" / "best.ckpt")
     assert f"{summary['val_ppl']:,.2f}" in table[1]
+
+
+@pytest.mark.timeout(120)
+def test_the_summary_evaluates_the_best_checkpoint(tmp_path, capsys):
+    """Validation and test run on best.ckpt, not on the last weights: the table's test perplexity is exp of the
+    loss `trainer.test(ckpt_path=best)` gives, and the table says which weights it is from."""
+    torch.set_num_threads(1)
+    # Validation at steps 2 and 4 of 4; mode=max makes "best" the earlier, higher-loss one, so best != last. A
+    # second checkpoint callback (monitoring nothing) keeps the last weights, final.ckpt (Lightning 2.6 rewrites
+    # last.ckpt at a validation only together with a new best).
+    cfg = _compose(tmp_path, *IN_PROCESS, "trainer.val_check_interval=2", "callbacks.model_checkpoint.mode=max",
+                   "+callbacks.final._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+                   f"+callbacks.final.dirpath={tmp_path}/final", "+callbacks.final.filename=final")
+    summary = train(cfg)
+    assert math.isclose(summary["val_ppl"], math.exp(summary["val_loss"]), rel_tol=1e-9)
+    # The floor and the unigram baseline come from the synthetic language itself.
+    assert 1 < summary["entropy_floor_ppl"] < summary["unigram_ppl"]
+    assert (Path(summary["logs"]) / "metrics.csv").is_file()
+    best, last = tmp_path / "checkpoints" / "best.ckpt", tmp_path / "final" / "final.ckpt"
+    assert summary["checkpoint"] == str(best)
+    saved = torch.load(best, weights_only=False)
+    assert "embedding.weight" in saved["state_dict"]
+    assert saved["LMDataModule"]["vocab"]["tokens"][:3] == ["<pad>", "<unk>", "<eos>"]
+    assert saved["global_step"] == 2 and torch.load(last, weights_only=False)["global_step"] == 4
+    score = next(s["best_model_score"] for k, s in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    # Validating the best checkpoint again gives the score it was saved for.
+    assert summary["val_loss"] == pytest.approx(float(score), rel=1e-5)
+    assert summary["evaluated"] == f"best.ckpt (val/loss {float(score):.4f}, step 2)"
+    assert summary["evaluated"] in capsys.readouterr().out
+    assert metric_value(summary, cfg.optimized_metric) == summary["metrics"]["val/loss"] == summary["val_loss"]
+    assert summary["metrics"]["test/loss"] == summary["test_loss"]
+
+    # The reference: a fresh Trainer tests each checkpoint.
+    again = _compose(tmp_path / "again", *IN_PROCESS, "~callbacks", "~logger", "+trainer.enable_checkpointing=false")
+    strategy = build_strategy(again)
+    try:
+        datamodule = hydra.utils.instantiate(again.data)
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        model = build_model(again, strategy, datamodule.vocab_size)
+        trainer = build_trainer(again, strategy, model)
+        losses = {path.stem: trainer.test(model, datamodule=datamodule, ckpt_path=str(path), verbose=False)[0]
+                  ["test/loss"] for path in (best, last)}
+    finally:
+        strategy.shutdown()
+    assert summary["test_ppl"] == pytest.approx(math.exp(losses["best"]), rel=1e-6)
+    assert summary["test_ppl"] != pytest.approx(math.exp(losses["final"]), rel=1e-3)
 
 
 @pytest.mark.timeout(120)
@@ -87,8 +122,11 @@ def test_train_on_ptb_files(tmp_path, ptb):
         "buckets=mxnet",
         "model.hidden_size=16",
         "model.embedding_dim=16",
+        "~callbacks.model_checkpoint",  # Lightning's own checkpoint monitors nothing: the last weights are evaluated
     ]
     summary = train(_compose(tmp_path, *overrides))
+    assert summary["evaluated"] == "last (no best checkpoint)"
+    assert Path(summary["checkpoint"]).is_file()  # Lightning's own checkpoint, of the last weights
     # The vocabulary comes from the training file (PTB valid: 6,021 distinct words + <pad>).
     assert summary["entropy_floor_ppl"] is None
     assert 1 < summary["val_ppl"] < 2 * 6100

@@ -163,7 +163,7 @@ def good_checkpoint(tmp_path_factory) -> Path:
 
     directory = tmp_path_factory.mktemp("good")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"checkpoint_dir={directory}/checkpoints", *TINY,
+        cfg = compose(config_name="train", overrides=[f"paths.output_dir={directory}", *TINY,
                                                       *SYNTHETIC, ONE_PROCESS, "evaluate=false"])
     return Path(train(cfg)["checkpoint"])
 

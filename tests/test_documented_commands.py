@@ -135,7 +135,7 @@ def _jobs(args: tuple[str, ...]) -> list[list[str]]:
 
 
 def _compose(config: str, overrides: list[str], tmp_path: Path):
-    extra = [f"checkpoint_dir={tmp_path}/checkpoints"] if config == "train" else []
+    extra = [f"paths.output_dir={tmp_path}"] if config == "train" else []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name=config, overrides=[*extra, *overrides])
 

@@ -22,9 +22,9 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 def compose_train_config(overrides: list[str]) -> DictConfig:
     """The config ``python train.py <overrides>`` would run with."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        # ${hydra:runtime.output_dir} exists only inside a Hydra run: name the checkpoint directory here (nothing
-        # is written to it).
-        return compose(config_name="train", overrides=["checkpoint_dir=checkpoints", *overrides])
+        # ${hydra:runtime.output_dir} exists only inside a Hydra run: name the run directory here (nothing is
+        # written to it).
+        return compose(config_name="train", overrides=["paths.output_dir=outputs/composed", *overrides])
 
 
 def main(overrides: list[str] | None = None) -> ParallelLayout:
