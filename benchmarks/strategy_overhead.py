@@ -18,6 +18,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +33,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
 from lightning_mp_lstm.model import token_loss_sum  # noqa: E402
 from lightning_mp_lstm.partition import even_partition  # noqa: E402
-from tests.helpers import run_ranks  # noqa: E402
+from lightning_mp_lstm.testing import run_ranks  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,32 @@ def _batches(n: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: gloo sends no views, and the gradient of a
+    batch-first LSTM's input is a transposed one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class _Contiguous(nn.Module):
+    """A stage whose output and input gradient are contiguous: the boundary handling the library's stages do too."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.requires_grad:
+            x = _ContiguousGrad.apply(x)
+        return self.inner(x).contiguous()
+
+
 def _bare_loop(rank: int, steps: int, setup: Setup) -> list[float]:
     """The reference: PipelineStage + schedule + optimizer, nothing else."""
     model = _model(setup)
@@ -67,19 +94,7 @@ def _bare_loop(rank: int, steps: int, setup: Setup) -> list[float]:
     model.keep_blocks(stages[rank])
     stage_module = nn.Sequential(*[module for _, module in model.blocks()])
 
-    class Contiguous(nn.Module):  # same boundary handling the library needs (see REFERENCE.md)
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            from lightning_mp_lstm.pipeline import _ContiguousGrad
-
-            if x.is_floating_point() and x.requires_grad:
-                x = _ContiguousGrad.apply(x)
-            return self.inner(x).contiguous()
-
-    stage = PipelineStage(Contiguous(stage_module), rank, 2, torch.device("cpu"))
+    stage = PipelineStage(_Contiguous(stage_module), rank, 2, torch.device("cpu"))
     divisor = torch.tensor(float(setup.rows * setup.length))
     schedule = get_schedule_class(setup.schedule)(
         stage, setup.microbatches, loss_fn=lambda out, y: token_loss_sum(out, y) / divisor, scale_grads=False
