@@ -2,7 +2,7 @@
 
 A job is a dictionary (:mod:`benchmarks.specs` writes them) whose ``kind`` picks what a rank runs: ``fit`` (one
 ``Trainer.fit`` with ``MPLSTMStrategy``), ``advice`` (``lightning_mp_lstm.advice``), ``overhead``
-(``benchmarks/strategy_overhead.py``) or ``memory`` (``benchmarks/memory.py``).
+(``benchmarks/strategy_overhead.py``) or ``memory`` (``benchmarks/memory.py``). Only public library names are used.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
             (where rank 0 draws the last recorded step) and ``padding`` (report the split's padded fraction).
 
     Returns:
-        When every step started and ended, the global batch's real tokens and this rank's padded tokens, the
-        partition, the number of microbatches, the stage times measured on their own ranks and the timeline's
-        records.
+        When every step started and ended; the real (non-padding target) and padded tokens of this rank's
+        batches and the data-parallel replica they belong to (:func:`merge` makes them global); the partition,
+        the number of microbatches, the stage times measured on their own ranks and the timeline's records.
     """
     import lightning.pytorch as pl
     import torch
@@ -87,6 +87,11 @@ def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
             self.ends: list[float] = []
             self.tokens: list[int] = []
             self.padded: list[int] = []
+            self.replica = 0
+
+        def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
+            kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+            self.replica = int(kwargs.get("rank", 0))
 
         def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
             self.starts.append(time.perf_counter())
@@ -94,7 +99,7 @@ def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
         def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
             self.ends.append(time.perf_counter())
-            self.tokens.append(int(module.pipeline.last_tokens))  # the global batch's real tokens
+            self.tokens.append(int((batch[1] != 0).sum()))  # padding is token id 0
             self.padded.append(int(batch[0].numel()))
 
     data = _datamodule(job["data"])
@@ -115,7 +120,8 @@ def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
         trainer.fit(model, datamodule=data)
     measured = strategy.measurements
     out = {"starts": steps.starts, "ends": steps.ends, "tokens": steps.tokens, "padded": steps.padded,
-           "partition": [list(s) for s in strategy.partition], "m": strategy.layout.n_microbatches,
+           "replica": steps.replica, "partition": [list(s) for s in strategy.partition],
+           "m": strategy.layout.n_microbatches,
            "stage_seconds": list(measured.stage_seconds) if measured and measured.stage_seconds else None,
            "records": timeline.records_as_dicts() if timeline is not None else []}
     if job.get("picture") and rank == 0 and timeline is not None and timeline.records:
@@ -211,3 +217,21 @@ def spawn(world_size: int, jobs: list[dict[str, Any]], timeout: float) -> list[l
 
     return run_ranks(worker, world_size, jobs, timeout=timeout)
 
+
+def merge(job: dict[str, Any], per_rank: list[Any]) -> Any:
+    """One result of a job from every rank's.
+
+    Args:
+        job: the job.
+        per_rank: its result on every rank.
+
+    Returns:
+        Rank 0's result; for a ``fit`` job with its ``tokens`` and ``padded`` those of the global batch: summed
+        over the data-parallel replicas (every rank of a replica loads the same batch).
+    """
+    first = per_rank[0]
+    if job["kind"] != "fit":
+        return first
+    replicas = {r["replica"]: r for r in reversed(per_rank)}  # the lowest rank of each replica
+    return {**first, "tokens": [sum(step) for step in zip(*(r["tokens"] for r in replicas.values()))],
+            "padded": [sum(step) for step in zip(*(r["padded"] for r in replicas.values()))]}

@@ -75,7 +75,8 @@ def _run(fixed: dict[int, list[dict[str, Any]]], sizes: Sizes, need_layouts: boo
     """Run the ``fixed`` jobs (by number of processes) and, when needed, every round of the layouts.
 
     Returns:
-        Every job with its result on rank 0, and every rank's result of the memory jobs by layout.
+        Every job with its result (:func:`benchmarks.jobs.merge`), and every rank's result of the memory jobs by
+        layout.
     """
     done: list[tuple[dict[str, Any], Any]] = []
     memory_ranks: dict[str, list[Any]] = {}
@@ -92,7 +93,7 @@ def _run(fixed: dict[int, list[dict[str, Any]]], sizes: Sizes, need_layouts: boo
             spent: dict[str, float] = {}
             for i, job in enumerate(todo):
                 per_rank = [on_rank[i][0] for on_rank in ranks]
-                done.append((job, per_rank[0]))
+                done.append((job, jobs.merge(job, per_rank)))
                 if job["kind"] == "memory":
                     memory_ranks[job["layout"]] = per_rank
                 spent[job["section"]] = spent.get(job["section"], 0.0) + ranks[0][i][1]

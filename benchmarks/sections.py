@@ -1,8 +1,8 @@
 """Each section's table of ``benchmarks/run.py``: its jobs' results reduced to rows, goals and the setup text.
 
-Every ``section_*`` function takes ``(job, result)`` pairs of its section (rank 0's result) and returns
-the section as the results JSON holds it (``title``, ``setup``, ``rows``, ``goals``; :mod:`benchmarks.schema` checks
-it).
+Every ``section_*`` function takes ``(job, result)`` pairs of its section (rank 0's result, with the global batch's
+tokens: :func:`benchmarks.jobs.merge`) and returns the section as the results JSON holds it (``title``, ``setup``,
+``rows``, ``goals``; :mod:`benchmarks.schema` checks it).
 """
 
 from __future__ import annotations
