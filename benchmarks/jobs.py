@@ -23,7 +23,7 @@ _DATA_CACHE: dict[str, Any] = {}
 def _datamodule(spec: dict[str, Any]) -> Any:
     """The data of a job: PTB with some buckets (one instance per process and setting) or fixed random batches."""
     if spec["kind"] == "fixed":
-        return _fixed_data(spec["vocab"], spec["rows"], spec["length"], spec["batches"])
+        return _fixed_data(spec["vocab_size"], spec["rows"], spec["length"], spec["batches"])
     key = json.dumps(spec, sort_keys=True)
     if key not in _DATA_CACHE:
         from lightning_mp_lstm.data import LMDataModule

@@ -58,7 +58,7 @@ def rank_peaks(rank: int, world_size: int, args: dict, directory: str, fmt: str)
                          enable_model_summary=False, num_sanity_val_steps=0)
     torch.manual_seed(0)
     with trainer.init_module(empty_init=True):
-        model = LSTMLanguageModel(data.vocab_size, embedding_dim=200, hidden_size=args["hidden"], num_layers=8,
+        model = LSTMLanguageModel(data.vocab_size, embedding_dim=200, hidden_size=args["hidden_size"], num_layers=8,
                                   optimizer="adam", lr=1e-3)
     trainer.fit(model, datamodule=data)
     training = _peak_mib()
@@ -74,7 +74,7 @@ def measure(hidden: int = 1024, rows: int = 8, steps: int = 2, layouts: dict[str
     """Peaks of every rank of every layout (``name -> processes``, default :data:`LAYOUTS`), each checkpoint format
     in fresh processes: ``{layout: [per rank: {"floor", "training", "saving", "params", "blocks", <format>: {...}}]}``
     (the top-level numbers are the first format's)."""
-    args = {"hidden": hidden, "rows": rows, "steps": steps}
+    args = {"hidden_size": hidden, "rows": rows, "steps": steps}
     results = {}
     for name, world in (layouts or LAYOUTS).items():
         runs = {}

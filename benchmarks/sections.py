@@ -104,7 +104,7 @@ def section_bound(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
     return {
         "title": "Pipeline against its own bound",
         "setup": (f"pp2 (2 processes x 1 thread), even partition, {model['num_layers']} x LSTM {model['hidden_size']}"
-                  f", embedding {model['embedding_dim']}, vocabulary {model['vocab']:,}, random batches of "
+                  f", embedding {model['embedding_dim']}, vocabulary {model['vocab_size']:,}, random batches of "
                   f"{s.bound_rows} x {s.bound_length}. After {s.bound_warmup} warm-up steps one step times each stage "
                   f"on its own rank in isolation (profile.stage_seconds), then PipelineTimeline records "
                   f"{s.bound_steps} steps: a stage's time is the sum of its forward and backward spans in the step "
@@ -198,7 +198,7 @@ def section_regret(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]
     return {
         "title": "Partition regret",
         "setup": (f"pp2 (2 x 1 thread), 1F1B, m = {s.regret_m}, {model['num_layers']} x LSTM {model['hidden_size']}, "
-                  f"embedding {model['embedding_dim']}, vocabulary {model['vocab']:,}, random batches of "
+                  f"embedding {model['embedding_dim']}, vocabulary {model['vocab_size']:,}, random batches of "
                   f"{s.regret_rows} x {s.regret_length}; every contiguous 2-stage split and partition='balanced' "
                   f"(by measured time), each once per round, {s.regret_rounds} round(s); step: median interval over "
                   f"{s.regret_steps} timed steps per run after {s.regret_warmup} warm-up; stage times: forward + "
@@ -300,8 +300,8 @@ def section_overhead(intervals: dict[str, list[float]], s: Sizes) -> dict[str, A
     setup = Setup(**s.overhead)
     return {
         "title": "Strategy overhead",
-        "setup": (f"benchmarks/strategy_overhead.py: {setup.layers} x LSTM {setup.hidden}, vocabulary "
-                  f"{setup.vocab:,}, batch {setup.rows} x {setup.length}, even partition, {setup.schedule} with "
+        "setup": (f"benchmarks/strategy_overhead.py: {setup.num_layers} x LSTM {setup.hidden_size}, vocabulary "
+                  f"{setup.vocab_size:,}, batch {setup.rows} x {setup.length}, even partition, {setup.schedule} with "
                   f"{setup.microbatches} microbatches on 2 ranks x 1 thread; {s.overhead_rounds} alternating round(s) "
                   f"of {s.overhead_steps} steps each, the first {s.overhead_warmup} of each dropped; steps/s = 1 / "
                   "median interval."),

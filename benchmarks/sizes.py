@@ -1,5 +1,8 @@
 """How big and how long every section of ``benchmarks/run.py`` runs (:data:`FULL`, :data:`QUICK`), and the layouts
 the ``layouts`` section compares.
+
+A model size is a dictionary of ``LSTMLanguageModel``'s own keyword arguments (``vocab_size``, ``embedding_dim``,
+``hidden_size``, ``num_layers``), as are ``benchmarks/strategy_overhead.py``'s :class:`Setup` fields.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 }
 
 
-def _model(vocab: int, embedding_dim: int, hidden_size: int, num_layers: int) -> dict[str, int]:
-    return {"vocab": vocab, "embedding_dim": embedding_dim, "hidden_size": hidden_size, "num_layers": num_layers}
+def _model(vocab_size: int, embedding_dim: int, hidden_size: int, num_layers: int) -> dict[str, int]:
+    return {"vocab_size": vocab_size, "embedding_dim": embedding_dim, "hidden_size": hidden_size,
+            "num_layers": num_layers}
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ QUICK = Sizes(
     bucket_overrides=_TINY, bucket_warmup=1, bucket_steps=3, advice_max_microbatches=4,
     memory_hidden=32, memory_rows=4, memory_steps=1, memory_layouts={"1 process": 1, "pp2": 2},
     memory_formats=("file",), memory_inline=True,
-    overhead={"vocab": 64, "embed": 16, "hidden": 16, "layers": 2, "rows": 16, "length": 8, "microbatches": 4},
+    overhead={**_model(64, 16, 16, 2), "rows": 16, "length": 8, "microbatches": 4},
     overhead_steps=4, overhead_warmup=1, overhead_rounds=1,
     timeout=300.0,
 )

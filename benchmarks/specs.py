@@ -20,12 +20,12 @@ def split_name(partition: Sequence[Sequence[str]]) -> str:
 
 
 def _fixed(model: dict[str, int], rows: int, length: int, batches: int) -> dict[str, Any]:
-    return {"kind": "fixed", "vocab": model["vocab"], "rows": rows, "length": length, "batches": batches}
+    return {"kind": "fixed", "vocab_size": model["vocab_size"], "rows": rows, "length": length, "batches": batches}
 
 
 def _lstm(model: dict[str, int]) -> dict[str, Any]:
     """``LSTMLanguageModel`` keyword arguments after the vocabulary size (which the data gives)."""
-    return {k: v for k, v in model.items() if k != "vocab"} | {"optimizer": "sgd", "lr": 0.1}
+    return {k: v for k, v in model.items() if k != "vocab_size"} | {"optimizer": "sgd", "lr": 0.1}
 
 
 def _ptb(batch: int, buckets: Any = MXNET_BUCKETS, num_buckets: int | None = None) -> dict[str, Any]:
@@ -118,6 +118,6 @@ def overhead_job(s: Sizes) -> dict[str, Any]:
 
 def memory_jobs(s: Sizes) -> list[tuple[int, dict[str, Any]]]:
     """The memory measurement of every layout with its number of processes (it must run first in them)."""
-    args = {"hidden": s.memory_hidden, "rows": s.memory_rows, "steps": s.memory_steps}
+    args = {"hidden_size": s.memory_hidden, "rows": s.memory_rows, "steps": s.memory_steps}
     return [(world, {"kind": "memory", "section": "memory", "layout": layout, "args": args})
             for layout, world in s.memory_layouts.items()]

@@ -38,12 +38,15 @@ from lightning_mp_lstm.testing import run_ranks  # noqa: E402
 
 @dataclass(frozen=True)
 class Setup:
-    """The model, batch and pipeline both runs share (defaults: the numbers in docs/benchmarks.md)."""
+    """The model, batch and pipeline both runs share (defaults: the numbers in docs/benchmarks.md).
 
-    vocab: int = 2000
-    embed: int = 256
-    hidden: int = 256
-    layers: int = 4
+    The model's fields are ``LSTMLanguageModel``'s keyword arguments, as in ``benchmarks/sizes.py``.
+    """
+
+    vocab_size: int = 2000
+    embedding_dim: int = 256
+    hidden_size: int = 256
+    num_layers: int = 4
     rows: int = 64
     length: int = 35
     microbatches: int = 8
@@ -52,12 +55,13 @@ class Setup:
 
 def _model(setup: Setup) -> LSTMLanguageModel:
     torch.manual_seed(0)
-    return LSTMLanguageModel(setup.vocab, setup.embed, setup.hidden, setup.layers, optimizer="sgd", lr=0.1)
+    return LSTMLanguageModel(setup.vocab_size, setup.embedding_dim, setup.hidden_size, setup.num_layers,
+                             optimizer="sgd", lr=0.1)
 
 
 def _batches(n: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(1, setup.vocab, (setup.rows, setup.length + 1), generator=g) for _ in range(n)]
+    tokens = [torch.randint(1, setup.vocab_size, (setup.rows, setup.length + 1), generator=g) for _ in range(n)]
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
@@ -170,8 +174,9 @@ def main() -> None:
     args = parser.parse_args()
     summary = summarize(run_ranks(_worker, 2, args.steps, args.warmup, timeout=1200)[0])
     s = Setup()
-    print(f"model: {s.layers} x LSTM {s.hidden}, vocab {s.vocab}, batch {s.rows} x {s.length}, {s.microbatches} "
-          f"microbatches, {s.schedule}, 2 CPU ranks x 1 thread; {2 * (args.steps - args.warmup)} timed steps each")
+    print(f"model: {s.num_layers} x LSTM {s.hidden_size}, vocab {s.vocab_size}, batch {s.rows} x {s.length}, "
+          f"{s.microbatches} microbatches, {s.schedule}, 2 CPU ranks x 1 thread; {2 * (args.steps - args.warmup)} "
+          "timed steps each")
     print(f"bare pipelining loop : {summary['bare_steps_per_s']:.3f} steps/s")
     print(f"MPLSTMStrategy fit   : {summary['strategy_steps_per_s']:.3f} steps/s")
     print(f"ratio strategy/bare  : {summary['ratio']:.3f}  (goal >= 0.95)")
