@@ -27,9 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import ptb_dir, quiet_trainer, run_ranks  # noqa: E402
+from benchmarks.common import ptb_paths  # noqa: E402
+from lightning_mp_lstm.testing import run_ranks  # noqa: E402
 
 LAYOUTS = {"1 process": 1, "pp2": 2, "pp4": 4}
 
@@ -46,17 +48,17 @@ def rank_peaks(rank: int, world_size: int, args: dict, directory: str, fmt: str)
     from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
     from lightning_mp_lstm.data import LMDataModule
 
-    ptb = ptb_dir()
-    data = LMDataModule(source="ptb", train=str(ptb / "ptb.valid.txt"), valid=str(ptb / "ptb.test.txt"),
-                        test=str(ptb / "ptb.test.txt"), buckets=[8, 16, 24, 32, 60], batch_size=args["rows"])
+    data = LMDataModule(source="ptb", **ptb_paths(), buckets=[8, 16, 24, 32, 60], batch_size=args["rows"])
     data.setup("fit")
     floor = _peak_mib()
     strategy = MPLSTMStrategy(n_microbatches=world_size, report_after_steps=None, checkpoint_format=fmt,
                               schedule="GPipe")
-    trainer = quiet_trainer(strategy, world_size, max_steps=args["steps"], limit_val_batches=0)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=args["steps"],
+                         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
     torch.manual_seed(0)
     with trainer.init_module(empty_init=True):
-        model = LSTMLanguageModel(data.vocab_size, embedding_dim=200, hidden_size=args["hidden"], num_layers=8,
+        model = LSTMLanguageModel(data.vocab_size, embedding_dim=200, hidden_size=args["hidden_size"], num_layers=8,
                                   optimizer="adam", lr=1e-3)
     trainer.fit(model, datamodule=data)
     training = _peak_mib()
@@ -72,7 +74,7 @@ def measure(hidden: int = 1024, rows: int = 8, steps: int = 2, layouts: dict[str
     """Peaks of every rank of every layout (``name -> processes``, default :data:`LAYOUTS`), each checkpoint format
     in fresh processes: ``{layout: [per rank: {"floor", "training", "saving", "params", "blocks", <format>: {...}}]}``
     (the top-level numbers are the first format's)."""
-    args = {"hidden": hidden, "rows": rows, "steps": steps}
+    args = {"hidden_size": hidden, "rows": rows, "steps": steps}
     results = {}
     for name, world in (layouts or LAYOUTS).items():
         runs = {}

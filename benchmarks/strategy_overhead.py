@@ -18,6 +18,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,17 +33,20 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
 from lightning_mp_lstm.model import token_loss_sum  # noqa: E402
 from lightning_mp_lstm.partition import even_partition  # noqa: E402
-from tests.helpers import run_ranks  # noqa: E402
+from lightning_mp_lstm.testing import run_ranks  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Setup:
-    """The model, batch and pipeline both runs share (defaults: the numbers in docs/benchmarks.md)."""
+    """The model, batch and pipeline both runs share (defaults: the numbers in docs/benchmarks.md).
 
-    vocab: int = 2000
-    embed: int = 256
-    hidden: int = 256
-    layers: int = 4
+    The model's fields are ``LSTMLanguageModel``'s keyword arguments, as in ``benchmarks/sizes.py``.
+    """
+
+    vocab_size: int = 2000
+    embedding_dim: int = 256
+    hidden_size: int = 256
+    num_layers: int = 4
     rows: int = 64
     length: int = 35
     microbatches: int = 8
@@ -51,13 +55,40 @@ class Setup:
 
 def _model(setup: Setup) -> LSTMLanguageModel:
     torch.manual_seed(0)
-    return LSTMLanguageModel(setup.vocab, setup.embed, setup.hidden, setup.layers, optimizer="sgd", lr=0.1)
+    return LSTMLanguageModel(setup.vocab_size, setup.embedding_dim, setup.hidden_size, setup.num_layers,
+                             optimizer="sgd", lr=0.1)
 
 
 def _batches(n: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(1, setup.vocab, (setup.rows, setup.length + 1), generator=g) for _ in range(n)]
+    tokens = [torch.randint(1, setup.vocab_size, (setup.rows, setup.length + 1), generator=g) for _ in range(n)]
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: gloo sends no views, and the gradient of a
+    batch-first LSTM's input is a transposed one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class _Contiguous(nn.Module):
+    """A stage whose output and input gradient are contiguous: the boundary handling the library's stages do too."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.requires_grad:
+            x = _ContiguousGrad.apply(x)
+        return self.inner(x).contiguous()
 
 
 def _bare_loop(rank: int, steps: int, setup: Setup) -> list[float]:
@@ -67,19 +98,7 @@ def _bare_loop(rank: int, steps: int, setup: Setup) -> list[float]:
     model.keep_blocks(stages[rank])
     stage_module = nn.Sequential(*[module for _, module in model.blocks()])
 
-    class Contiguous(nn.Module):  # same boundary handling the library needs (see REFERENCE.md)
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            from lightning_mp_lstm.pipeline import _ContiguousGrad
-
-            if x.is_floating_point() and x.requires_grad:
-                x = _ContiguousGrad.apply(x)
-            return self.inner(x).contiguous()
-
-    stage = PipelineStage(Contiguous(stage_module), rank, 2, torch.device("cpu"))
+    stage = PipelineStage(_Contiguous(stage_module), rank, 2, torch.device("cpu"))
     divisor = torch.tensor(float(setup.rows * setup.length))
     schedule = get_schedule_class(setup.schedule)(
         stage, setup.microbatches, loss_fn=lambda out, y: token_loss_sum(out, y) / divisor, scale_grads=False
@@ -155,8 +174,9 @@ def main() -> None:
     args = parser.parse_args()
     summary = summarize(run_ranks(_worker, 2, args.steps, args.warmup, timeout=1200)[0])
     s = Setup()
-    print(f"model: {s.layers} x LSTM {s.hidden}, vocab {s.vocab}, batch {s.rows} x {s.length}, {s.microbatches} "
-          f"microbatches, {s.schedule}, 2 CPU ranks x 1 thread; {2 * (args.steps - args.warmup)} timed steps each")
+    print(f"model: {s.num_layers} x LSTM {s.hidden_size}, vocab {s.vocab_size}, batch {s.rows} x {s.length}, "
+          f"{s.microbatches} microbatches, {s.schedule}, 2 CPU ranks x 1 thread; {2 * (args.steps - args.warmup)} "
+          "timed steps each")
     print(f"bare pipelining loop : {summary['bare_steps_per_s']:.3f} steps/s")
     print(f"MPLSTMStrategy fit   : {summary['strategy_steps_per_s']:.3f} steps/s")
     print(f"ratio strategy/bare  : {summary['ratio']:.3f}  (goal >= 0.95)")

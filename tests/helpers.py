@@ -1,5 +1,6 @@
 """Shared test helpers: tiny models and batches, fixed data modules, error measures, the PTB location, and
-running functions or commands on several processes under a deadline.
+running commands under a deadline (functions on several processes: :func:`lightning_mp_lstm.testing.run_ranks`,
+re-exported here).
 
 Test modules import from here (and get fixtures from ``conftest.py``); they never import each other.
 """
@@ -7,27 +8,23 @@ Test modules import from here (and get fixtures from ``conftest.py``); they neve
 from __future__ import annotations
 
 import os
-import pickle
 import signal
-import socket
 import subprocess
-import tempfile
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from lightning_mp_lstm import LSTMLanguageModel
+from lightning_mp_lstm import LSTMLanguageModel, testing
+
+# The multi-process runner is public (lightning_mp_lstm.testing); test modules keep importing it from here.
+from lightning_mp_lstm.testing import PTB_ENV, free_port, run_ranks  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The environment variable that overrides where the PTB files are.
-PTB_ENV = "LIGHTNING_MP_LSTM_PTB_DIR"
 #: Vocabulary size of the hand-made batches.
 VOCAB = 37
 #: ``train.py`` overrides for a run of a few seconds: the tiny model on a small synthetic corpus.
@@ -42,11 +39,7 @@ SMALL_SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40"
 def ptb_dir() -> Path:
     """The directory with ``ptb.valid.txt`` and ``ptb.test.txt``: ``$LIGHTNING_MP_LSTM_PTB_DIR``, else
     ``../shared/data/ptb`` next to the repository. A test that needs them fails (CI has them), never skips."""
-    path = Path(os.environ.get(PTB_ENV) or ROOT.parent / "shared" / "data" / "ptb")
-    missing = [name for name in ("ptb.valid.txt", "ptb.test.txt") if not (path / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"PTB files {missing} not found in {path}; set {PTB_ENV} to their directory")
-    return path
+    return testing.ptb_dir(ROOT)
 
 
 def lm_batches(rows: int, lengths: Iterable[int], seed: int = 1, vocab: int = VOCAB) -> list[tuple[torch.Tensor, ...]]:
@@ -219,56 +212,6 @@ def assert_same_predictions(got: list[dict], expected: list[dict]) -> None:
 
 
 # ----- processes -------------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0")
-    torch.set_num_threads(1)
-    result = fn(rank, world_size, *args)
-    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-
-
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              allow_missing: bool = False) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes and return their results.
-
-    The ranks find each other through the ``MASTER_ADDR``/``MASTER_PORT``/``RANK`` environment, the same
-    variables ``torchrun`` sets (so Lightning treats them as externally launched). A rank that raises fails
-    the call with its traceback; ranks still alive at the deadline are killed. With ``allow_missing``, a rank
-    that died without a result (killed on purpose) gives ``None`` instead of failing the call.
-    """
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if allow_missing:
-                    # Not ctx.join(): it SIGTERMs every other rank as soon as one exits with an error.
-                    if not any(p.is_alive() for p in ctx.processes):
-                        break
-                    time.sleep(0.2)
-                elif ctx.join(timeout=1):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish in {timeout:.0f} s")
-        finally:
-            for process in ctx.processes:
-                if process.is_alive():
-                    process.kill()
-        results = []
-        for rank in range(world_size):
-            path = Path(out_dir, f"rank{rank}.pkl")
-            results.append(pickle.loads(path.read_bytes()) if path.exists() or not allow_missing else None)
-        return results
-
-
 def run_command(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
     """Run ``args`` from the repository root in its own process group, one CPU thread per process.
 

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks import run as suite
+from benchmarks import run
+from benchmarks.schema import SCHEMA, SECTIONS, SchemaError, validate
+from benchmarks.sizes import LAYOUTS, QUICK
 from tests.helpers import ROOT, run_command
 
 SCRIPT = ROOT / "benchmarks" / "run.py"
@@ -37,9 +39,9 @@ def _finite_positive(value: Any) -> bool:
 @pytest.mark.timeout(300)
 def test_quick_run_measures_every_section_and_holds_the_schema(quick):
     results = quick["results"]
-    assert results["mode"] == "quick" and results["schema"] == suite.SCHEMA
-    assert list(results["sections"]) == list(suite.SECTIONS)
-    suite.validate(results)
+    assert results["mode"] == "quick" and results["schema"] == SCHEMA
+    assert list(results["sections"]) == list(SECTIONS)
+    validate(results)
     machine = results["machine"]
     assert machine["cores"] >= 1 and machine["torch"] and machine["lightning"] and len(machine["load_after"]) == 3
     assert 0 < results["duration_s"] < 280
@@ -54,7 +56,7 @@ def test_quick_run_measures_every_section_and_holds_the_schema(quick):
 def test_pipeline_bound_rows_are_measured(quick):
     section = quick["results"]["sections"]["pipeline_bound"]
     rows = section["rows"]
-    assert {(r["schedule"], r["m"]) for r in rows} == {(s, m) for s in ("GPipe", "1F1B") for m in suite.QUICK.bound_m}
+    assert {(r["schedule"], r["m"]) for r in rows} == {(s, m) for s in ("GPipe", "1F1B") for m in QUICK.bound_m}
     for row in rows:
         assert len(row["stage_s"]) == len(row["isolated_stage_s"]) == 2
         assert all(_finite_positive(t) for t in row["stage_s"] + row["isolated_stage_s"])
@@ -74,7 +76,7 @@ def test_layout_rows_cover_every_model_and_layout(quick):
     assert {r["model"] for r in rows} == {"tiny", "small", "mxnet_ptb"}
     for model in ("tiny", "small", "mxnet_ptb"):
         layouts = {r["layout"]: r for r in rows if r["model"] == model}
-        assert set(layouts) == set(suite.LAYOUTS)  # every model has at least 4 blocks: pp4 fits
+        assert set(layouts) == set(LAYOUTS)  # every model has at least 4 blocks: pp4 fits
         assert layouts["1 process"]["ratio"] == 1.0 and layouts["1 process"]["threads"] == 2
         assert layouts["pp4 balanced"]["processes"] == 4 and layouts["pp4 balanced"]["partition"].count("|") == 3
         assert layouts["pp2 even"]["m"] == 2 and layouts["pp2 even"]["partition"].count("|") == 1
@@ -87,7 +89,7 @@ def test_layout_rows_cover_every_model_and_layout(quick):
 def test_partition_regret_tries_every_contiguous_split(quick):
     section = quick["results"]["sections"]["partition_regret"]
     rows = section["rows"]
-    blocks = suite.QUICK.regret_model["num_layers"] + 2
+    blocks = QUICK.regret_model["num_layers"] + 2
     splits = [r for r in rows if r["setting"] != "balanced"]
     assert len(splits) == blocks - 1 and len({r["split"] for r in splits}) == blocks - 1
     balanced = next(r for r in rows if r["setting"] == "balanced")
@@ -116,7 +118,7 @@ def test_bucketing_rows_have_fractions_and_speeds(quick):
 def test_memory_overhead_and_advice_sections(quick):
     sections = quick["results"]["sections"]
     memory = sections["memory"]["rows"]
-    assert {r["layout"] for r in memory} == set(suite.QUICK.memory_layouts)
+    assert {r["layout"] for r in memory} == set(QUICK.memory_layouts)
     assert len([r for r in memory if r["layout"] == "pp2"]) == 2
     pp2 = [r for r in memory if r["layout"] == "pp2"]
     single = next(r for r in memory if r["layout"] == "1 process")
@@ -155,7 +157,7 @@ def test_page_renders_from_the_json_alone(quick, tmp_path):
     assert result.returncode == 0, result.stdout[-4000:]
     assert again.read_text() == quick["page"]
     elsewhere = tmp_path / "docs" / "results.md"
-    assert suite.main(["--render", str(elsewhere), "--json", str(quick["out"] / "results.json")]) == 0
+    assert run.main(["--render", str(elsewhere), "--json", str(quick["out"] / "results.json")]) == 0
     text = elsewhere.read_text()
     for path in quick["results"]["pictures"].values():  # the links follow the page
         link = Path(os.path.relpath(path, elsewhere.parent))
@@ -178,12 +180,12 @@ def test_broken_results_are_refused(quick, tmp_path):
     for what, breakage in breakages.items():
         broken = copy.deepcopy(good)
         breakage(broken)
-        with pytest.raises(suite.SchemaError):
-            suite.validate(broken)
+        with pytest.raises(SchemaError):
+            validate(broken)
             pytest.fail(f"accepted results with {what}")
     broken = copy.deepcopy(good)
     broken["sections"]["strategy_overhead"]["rows"][0]["steps_per_s"] = -1.0
     path = tmp_path / "broken.json"
     path.write_text(json.dumps(broken))
-    assert suite.main(["--render", str(tmp_path / "page.md"), "--json", str(path)]) == 2
+    assert run.main(["--render", str(tmp_path / "page.md"), "--json", str(path)]) == 2
     assert not (tmp_path / "page.md").exists()

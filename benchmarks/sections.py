@@ -1,0 +1,367 @@
+"""Each section's table of ``benchmarks/run.py``: its jobs' results reduced to rows, goals and the setup text.
+
+Every ``section_*`` function takes ``(job, result)`` pairs of its section (rank 0's result, with the global batch's
+tokens: :func:`benchmarks.jobs.merge`) and returns the section as the results JSON holds it (``title``, ``setup``,
+``rows``, ``goals``; :mod:`benchmarks.schema` checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.common import ROOT, model_config
+from benchmarks.sizes import CLIP, LAYOUTS, MXNET_BUCKETS, Sizes
+from benchmarks.specs import split_name
+
+#: Tokens/s measured by hand before ``benchmarks/run.py`` existed (the layouts table's 'earlier' column).
+EARLIER = ROOT / "benchmarks" / "earlier.json"
+
+
+def _earlier() -> dict[str, dict[str, int]]:
+    return json.loads(EARLIER.read_text())["tokens_per_s"]
+
+
+def _intervals(result: dict[str, Any], steps: Sequence[int]) -> list[float]:
+    """Seconds from the start of each of ``steps`` to the start of the next (the end of the last step)."""
+    starts, ends = result["starts"], result["ends"]
+    return [(starts[i + 1] if i + 1 < len(starts) else ends[i]) - starts[i] for i in steps if i < len(ends)]
+
+
+def _tokens_per_s(result: dict[str, Any], warmup: int) -> tuple[float, float, float]:
+    """Real tokens per second over the steps after ``warmup`` (their first start to their last end), the mean
+    seconds per step and the padded fraction of those steps' batches."""
+    starts, ends = result["starts"], result["ends"]
+    timed = range(warmup, len(ends))
+    if not timed:
+        raise RuntimeError(f"no timed steps: {len(ends)} steps ran, {warmup} of them warm-up")
+    seconds = ends[-1] - starts[warmup]
+    tokens = sum(result["tokens"][i] for i in timed)
+    padded = sum(result["padded"][i] for i in timed)
+    return tokens / seconds, seconds / len(timed), 1.0 - tokens / padded
+
+
+def _stage_seconds_in_step(record: Any) -> list[float]:
+    """Forward + backward seconds of one microbatch of every stage inside a recorded step (the mean over its
+    microbatches)."""
+    from lightning_mp_lstm.timeline import COMPUTE
+
+    busy = {s: 0.0 for s in range(record.num_stages)}
+    for span in record.spans:
+        if span.kind in COMPUTE:
+            busy[span.stage] += span.end - span.start
+    return [busy[s] / record.n_microbatches for s in range(record.num_stages)]
+
+
+def _bound(stage_seconds: Sequence[float], m: int) -> float:
+    from lightning_mp_lstm.plan import step_time
+
+    return step_time(stage_seconds, m)
+
+
+def _goal(name: str, value: float, target: float, op: str) -> dict[str, Any]:
+    met = value >= target if op == ">=" else value <= target
+    return {"name": name, "value": float(value), "target": float(target), "op": op, "met": bool(met)}
+
+
+def section_bound(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
+    """pp2 against its own bound ``(m - 1) x max + sum`` of the stage times recorded inside the same steps.
+
+    Args:
+        results: the ``pipeline_bound`` jobs and their results (one per schedule and m).
+        s: the sizes they ran with.
+
+    Returns:
+        The section: a row per schedule and m, the goal bound / measured >= 0.95 for each.
+    """
+    from lightning_mp_lstm.timeline import COMPUTE, StepRecord, predicted_bubble
+
+    rows, goals = [], []
+    for job, result in results:
+        m = result["m"]
+        records = sorted((StepRecord.from_dict(r) for r in result["records"]), key=lambda r: r.step)
+        intervals = _intervals(result, [r.step for r in records])
+        inside = [_stage_seconds_in_step(r) for r in records]
+        bounds = [_bound(t, m) for t in inside]
+        isolated = result["stage_seconds"]
+        measured = statistics.median(intervals)
+        # When the step's last forward or backward ended: what the schedule took, without the optimizer after it.
+        compute_end = [max(span.end for span in r.spans if span.kind in COMPUTE) for r in records]
+        row = {"schedule": job["schedule"], "m": m, "rows_per_microbatch": s.bound_rows // m,
+               "stage_s": [statistics.median(t) for t in zip(*inside)], "bound_s": statistics.median(bounds),
+               "measured_s": measured, "ratio": statistics.median(b / t for b, t in zip(bounds, intervals)),
+               "compute_end_s": statistics.median(compute_end),
+               "schedule_ratio": statistics.median(b / t for b, t in zip(bounds, compute_end)),
+               "isolated_stage_s": isolated, "isolated_bound_s": _bound(isolated, m),
+               "bubble_measured": statistics.median(r.bubble() for r in records),
+               "bubble_predicted": predicted_bubble(job["schedule"], 2, 1, m)}
+        row["isolated_ratio"] = row["isolated_bound_s"] / measured
+        rows.append(row)
+        goals.append(_goal(f"{job['schedule']}, m={m}: bound / measured step", row["ratio"], 0.95, ">="))
+    model = s.bound_model
+    return {
+        "title": "Pipeline against its own bound",
+        "setup": (f"pp2 (2 processes x 1 thread), even partition, {model['num_layers']} x LSTM {model['hidden_size']}"
+                  f", embedding {model['embedding_dim']}, vocabulary {model['vocab_size']:,}, random batches of "
+                  f"{s.bound_rows} x {s.bound_length}. After {s.bound_warmup} warm-up steps one step times each stage "
+                  f"on its own rank in isolation (profile.stage_seconds), then PipelineTimeline records "
+                  f"{s.bound_steps} steps: a stage's time is the sum of its forward and backward spans in the step "
+                  "over m (one microbatch), the step's bound is (m - 1) x max + sum of those (plan.step_time), the "
+                  "measured time is the interval from the step's start to the next step's start (optimizer, "
+                  "clipping, Lightning and the recording included). Bound / measured: the median over the "
+                  "recorded steps of each step's ratio; the other columns are medians too. 'Compute ends' is when the "
+                  "step's last forward or backward ended (the schedule's part of the step, before the optimizer), "
+                  "and bound / compute end the ratio without what follows the schedule."),
+        "rows": rows, "goals": goals,
+    }
+
+
+def _median_by(values: dict[Any, list[float]]) -> dict[Any, float]:
+    return {k: statistics.median(v) for k, v in values.items()}
+
+
+def section_layouts(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
+    """Tokens/s of every model on every layout, and their ratio to 1 process in the same round.
+
+    Args:
+        results: the ``layouts`` jobs and their results (every round).
+        s: the sizes they ran with.
+
+    Returns:
+        The section: a row per model and layout (medians over the rounds), beside the earlier hand-made numbers
+        (:data:`EARLIER`); no goals.
+    """
+    earlier = _earlier()
+    tps: dict[tuple[str, str], list[float]] = {}
+    step: dict[tuple[str, str], list[float]] = {}
+    chosen: dict[tuple[str, str], tuple[list[list[str]], int]] = {}
+    for job, result in results:
+        key = (job["model_name"], job["layout"])
+        rate, seconds, _ = _tokens_per_s(result, job["warmup"])
+        tps.setdefault(key, []).append(rate)
+        step.setdefault(key, []).append(seconds)
+        chosen[key] = (result["partition"], result["m"])
+    rows = []
+    order = {(model, layout): (i, j) for i, model in enumerate(s.layout_models) for j, layout in enumerate(LAYOUTS)}
+    for (model, layout), rates in sorted(tps.items(), key=lambda item: order[item[0]]):
+        single = tps[(model, "1 process")]
+        ratios = [a / b for a, b in zip(rates, single)]  # each round against the same round's 1 process
+        world, options = LAYOUTS[layout]
+        partition, m = chosen[(model, layout)]
+        rows.append({"model": model, "layout": layout, "processes": world, "threads": options["num_threads"],
+                     "m": m, "partition": split_name(partition), "tokens_per_s": statistics.median(rates),
+                     "step_s": statistics.median(step[(model, layout)]), "ratio": statistics.median(ratios),
+                     "earlier_tokens_per_s": earlier.get(model, {}).get(layout)})
+    return {
+        "title": "Which layout wins",
+        "setup": (f"PTB (train on ptb.valid.txt), MXNet buckets {MXNET_BUCKETS}, global batch {s.layout_batch} "
+                  f"sentences for every layout, models from conf/model; 1F1B, gradient clipping {CLIP}; "
+                  f"{s.layout_warmup} warm-up steps, then real tokens over the next {s.layout_steps} steps' time, "
+                  f"median of {s.layout_rounds} round(s), every layout once per round; ratio: to 1 process in the same "
+                  "round. 1 process runs 2 threads, every other process 1 (pp4: 4 processes on the 2 cores). "
+                  "'earlier': the hand-made table measured with train.py before this script."),
+        "rows": rows, "goals": [],
+    }
+
+
+def section_regret(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
+    """Every contiguous 2-stage split against ``partition='balanced'``.
+
+    Args:
+        results: the ``partition_regret`` jobs and their results (every round).
+        s: the sizes they ran with.
+
+    Returns:
+        The section: a row per setting; goals: balanced within 5 % of the best split's step, and its stage times
+        within 10 % of even (max / mean).
+    """
+    intervals: dict[str, list[float]] = {}
+    stages: dict[str, list[list[float]]] = {}
+    split_of: dict[str, str] = {}
+    timed = range(s.regret_warmup + 1, s.regret_warmup + 1 + s.regret_steps)
+    for job, result in results:
+        name = job["setting"]
+        intervals.setdefault(name, []).extend(_intervals(result, timed))
+        stages.setdefault(name, []).append(result["stage_seconds"])
+        split_of[name] = split_name(result["partition"])
+    step = _median_by(intervals)
+    best = min(v for k, v in step.items() if k != "balanced")
+    rows = []
+    for name, seconds in step.items():
+        stage_s = [statistics.median(v) for v in zip(*stages[name])]
+        rows.append({"setting": name, "split": split_of[name], "step_s": seconds, "stage_s": stage_s,
+                     "max_over_mean": max(stage_s) / statistics.mean(stage_s), "ratio_to_best": seconds / best})
+    balanced = next(r for r in rows if r["setting"] == "balanced")
+    model = s.regret_model
+    return {
+        "title": "Partition regret",
+        "setup": (f"pp2 (2 x 1 thread), 1F1B, m = {s.regret_m}, {model['num_layers']} x LSTM {model['hidden_size']}, "
+                  f"embedding {model['embedding_dim']}, vocabulary {model['vocab_size']:,}, random batches of "
+                  f"{s.regret_rows} x {s.regret_length}; every contiguous 2-stage split and partition='balanced' "
+                  f"(by measured time), each once per round, {s.regret_rounds} round(s); step: median interval over "
+                  f"{s.regret_steps} timed steps per run after {s.regret_warmup} warm-up; stage times: forward + "
+                  "backward of one microbatch on its own rank (isolated), median of the rounds."),
+        "rows": rows,
+        "goals": [_goal("balanced step / best split's step", balanced["ratio_to_best"], 1.05, "<="),
+                  _goal("balanced max / mean stage time", balanced["max_over_mean"], 1.10, "<=")],
+    }
+
+
+def section_bucketing(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
+    """Real tokens/s and padded fraction of each bucket setting against padding to the longest sentence.
+
+    Args:
+        results: the ``bucketing`` jobs and their results; the MXNet and the first ``auto`` setting come first.
+        s: the sizes they ran with.
+
+    Returns:
+        The section: a row per setting; goals for the first two: 1.5x pad-to-longest, at most 10 % padding.
+    """
+    rows = []
+    for job, result in results:
+        rate, seconds, fraction = _tokens_per_s(result, job["warmup"])
+        rows.append({"buckets": job["buckets"], "lengths": result["bucket_lengths"], "real_tokens_per_s": rate,
+                     "step_s": seconds, "padded_fraction": result["split_padded_fraction"],
+                     "batch_padded_fraction": fraction})
+    none = next(r for r in rows if r["buckets"].startswith("none"))
+    goals = []
+    for row in rows:
+        row["speedup"] = row["real_tokens_per_s"] / none["real_tokens_per_s"]
+    for row in rows[:2]:  # mxnet and auto with the default number of buckets
+        goals.append(_goal(f"{row['buckets']}: real tokens/s over pad-to-longest", row["speedup"], 1.5, ">="))
+        goals.append(_goal(f"{row['buckets']}: padded fraction", row["padded_fraction"], 0.10, "<="))
+    config = model_config(s.bucket_model, s.bucket_overrides)
+    return {
+        "title": "Bucketing",
+        "setup": (f"1 process x 1 thread, model {s.bucket_model} ({config['num_layers']} x {config['hidden_size']}), "
+                  f"PTB (train on ptb.valid.txt), batch {s.layout_batch} sentences; padded fraction: of the whole "
+                  f"training split (and of the timed batches); real tokens/s over {s.bucket_steps} steps after "
+                  f"{s.bucket_warmup} warm-up."),
+        "rows": rows, "goals": goals,
+    }
+
+
+def section_memory(results: dict[str, list[dict[str, Any]]], s: Sizes) -> dict[str, Any]:
+    """Peak memory of every rank of every layout against one process.
+
+    Args:
+        results: every layout's per-rank peaks (``benchmarks/memory.py``'s :func:`measure`).
+        s: the sizes they ran with.
+
+    Returns:
+        The section: a row per layout and rank; goals: the largest pp4 rank at most 0.6x one process (with pp4),
+        rank 0 at most 1.15x the largest other rank.
+    """
+    single = results["1 process"][0]["training"]
+    rows = []
+    for layout, ranks in results.items():
+        for rank, r in enumerate(ranks):
+            blocks = r["blocks"]
+            rows.append({"layout": layout, "rank": rank,
+                         "blocks": ", ".join(blocks) if len(blocks) < 4 else f"{blocks[0]} .. {blocks[-1]}",
+                         "params": int(r["params"]), "floor_mib": r["floor"], "training_mib": r["training"],
+                         "file_save_mib": r["file"]["saving"] if "file" in r else None,
+                         "sharded_save_mib": r["sharded"]["saving"] if "sharded" in r else None,
+                         "ratio": r["training"] / single})
+    goals = []
+    if "pp4" in results:
+        pp4 = [r["training"] for r in results["pp4"]]
+        goals.append(_goal("pp4: largest rank / 1 process (training)", max(pp4) / single, 0.60, "<="))
+    pipelined = "pp4" if "pp4" in results else "pp2"
+    ranks = [r["training"] for r in results[pipelined]]
+    goals.append(_goal(f"{pipelined}: rank 0 / largest other rank (training)", ranks[0] / max(ranks[1:]), 1.15, "<="))
+    return {
+        "title": "Memory per rank",
+        "setup": (f"benchmarks/memory.py: peak RSS (MiB) per rank, mxnet_ptb shape (8 layers, embedding 200) with "
+                  f"hidden {s.memory_hidden}, PTB batch {s.memory_rows}, {s.memory_steps} steps, Adam, GPipe with m = "
+                  f"the number of ranks, one thread per rank; floor: after imports and data; then a checkpoint "
+                  f"save ({', '.join(s.memory_formats)}; "
+                  + ("the first job of the other sections' fresh processes)." if s.memory_inline else
+                     "each format in fresh processes).")),
+        "rows": rows, "goals": goals,
+    }
+
+
+def section_overhead(intervals: dict[str, list[float]], s: Sizes) -> dict[str, Any]:
+    """Steps/s of ``MPLSTMStrategy`` in ``Trainer.fit`` against a bare pipelining loop.
+
+    Args:
+        intervals: rank 0's step intervals of both (``benchmarks/strategy_overhead.py``'s :func:`compare`).
+        s: the sizes they ran with.
+
+    Returns:
+        The section: a row per run and their ratio; the goal strategy / bare >= 0.95.
+    """
+    from benchmarks.strategy_overhead import Setup, summarize
+
+    summary = summarize(intervals)
+    setup = Setup(**s.overhead)
+    return {
+        "title": "Strategy overhead",
+        "setup": (f"benchmarks/strategy_overhead.py: {setup.num_layers} x LSTM {setup.hidden_size}, vocabulary "
+                  f"{setup.vocab_size:,}, batch {setup.rows} x {setup.length}, even partition, {setup.schedule} with "
+                  f"{setup.microbatches} microbatches on 2 ranks x 1 thread; {s.overhead_rounds} alternating round(s) "
+                  f"of {s.overhead_steps} steps each, the first {s.overhead_warmup} of each dropped; steps/s = 1 / "
+                  "median interval."),
+        "rows": [{"run": "bare torch.distributed.pipelining loop", "steps_per_s": summary["bare_steps_per_s"],
+                  "timed_steps": len(intervals["bare"])},
+                 {"run": "MPLSTMStrategy in Trainer.fit", "steps_per_s": summary["strategy_steps_per_s"],
+                  "timed_steps": len(intervals["strategy"])}],
+        "ratio": summary["ratio"],
+        "goals": [_goal("strategy / bare steps per second", summary["ratio"], 0.95, ">=")],
+    }
+
+
+#: advice candidates (data parallel, pipeline parallel) -> the measured layout they stand for
+_ADVICE_TO_LAYOUT = {(1, 1): "1 process", (2, 1): "dp2", (1, 2): "pp2 balanced, m=auto"}
+
+
+def section_advice(results: list[tuple[dict, dict]], layouts: dict[str, Any]) -> dict[str, Any]:
+    """``lightning_mp_lstm.advice``'s predicted order of layouts against the measured one.
+
+    Args:
+        results: the ``advice`` jobs and their results (one per model).
+        layouts: the layouts section (:func:`section_layouts`), whose measured rows the candidates stand for.
+
+    Returns:
+        The section: a row per model and candidate with both ranks; for each model the goal: the measured best
+        at most 1.10x the measured speed of the predicted best.
+    """
+    measured = {(r["model"], r["layout"]): r for r in layouts["rows"]}
+    rows, goals = [], []
+    for job, result in results:
+        model = job["model_name"]
+        candidates = [c for c in result["candidates"]
+                      if (c["data_parallel_size"], c["pipeline_parallel_size"]) in _ADVICE_TO_LAYOUT]
+        entries = []
+        for c in candidates:
+            layout = _ADVICE_TO_LAYOUT[(c["data_parallel_size"], c["pipeline_parallel_size"])]
+            got = measured.get((model, layout))
+            if got is None:
+                continue
+            entries.append({"model": model, "candidate": c["name"], "layout": layout,
+                            "predicted_s": c["predicted_seconds"], "measured_s": got["step_s"],
+                            "tokens_per_s": got["tokens_per_s"]})
+        if not entries:
+            continue
+        by_measured = sorted(entries, key=lambda e: -e["tokens_per_s"])
+        by_predicted = sorted(entries, key=lambda e: e["predicted_s"])
+        for e in entries:
+            e["predicted_rank"] = by_predicted.index(e) + 1
+            e["measured_rank"] = by_measured.index(e) + 1
+        rows.extend(sorted(entries, key=lambda e: e["predicted_rank"]))
+        value = by_measured[0]["tokens_per_s"] / by_predicted[0]["tokens_per_s"]
+        predicted = by_predicted[0]["layout"]
+        goals.append(_goal(f"{model}: measured best / measured speed of the predicted best ({predicted})", value,
+                           1.10, "<="))
+    return {
+        "title": "Layout advice: predicted against measured",
+        "setup": ("lightning_mp_lstm.advice: calibrate (thread speed-up at 2 threads, transfer bandwidth) and advise "
+                  "for 2 processes on 2 cores, 1F1B, the layouts section's batch and mean padded length, in one "
+                  "process before the layouts run; predicted seconds per step against the layouts section's measured "
+                  "mean seconds per step (its batches vary in length: compare the order). The pipeline candidate "
+                  "(balanced, best predicted m) stands against the measured 'pp2 balanced, m=auto'."),
+        "rows": rows, "goals": goals,
+    }

@@ -1,0 +1,116 @@
+"""How big and how long every section of ``benchmarks/run.py`` runs (:data:`FULL`, :data:`QUICK`), and the layouts
+the ``layouts`` section compares.
+
+A model size is a dictionary of ``LSTMLanguageModel``'s own keyword arguments (``vocab_size``, ``embedding_dim``,
+``hidden_size``, ``num_layers``), as are ``benchmarks/strategy_overhead.py``'s :class:`Setup` fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The bucket lengths of the MXNet example (``buckets=mxnet``).
+MXNET_BUCKETS = [8, 16, 24, 32, 60]
+#: ``conf/trainer/default.yaml``'s ``gradient_clip_val``: the clipping all-reduce is part of a real step.
+CLIP = 0.25
+
+
+def strategy_options(dp: int = 1, pp: int = 1, threads: int = 1, **options: Any) -> dict[str, Any]:
+    """``MPLSTMStrategy`` keyword arguments of a layout.
+
+    Args:
+        dp: data-parallel replicas.
+        pp: pipeline stages.
+        threads: CPU threads per process.
+        **options: further strategy options (schedule, partition, ...).
+
+    Returns:
+        The keyword arguments.
+    """
+    return {"data_parallel_size": dp, "pipeline_parallel_size": pp, "num_threads": threads, **options}
+
+
+#: The layouts section's layouts: name -> (processes, strategy options).
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "1 process": (1, strategy_options(threads=2)),
+    "dp2": (2, strategy_options(dp=2)),
+    "pp2 even": (2, strategy_options(pp=2, partition="even")),
+    "pp2 balanced": (2, strategy_options(pp=2, partition="balanced")),
+    "pp2 balanced, m=auto": (2, strategy_options(pp=2, partition="balanced", n_microbatches="auto")),
+    "pp4 balanced": (4, strategy_options(pp=4, partition="balanced")),
+}
+
+
+def _model(vocab_size: int, embedding_dim: int, hidden_size: int, num_layers: int) -> dict[str, int]:
+    return {"vocab_size": vocab_size, "embedding_dim": embedding_dim, "hidden_size": hidden_size,
+            "num_layers": num_layers}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big and how long every section runs; the fields are grouped by section (prefix)."""
+
+    # pipeline vs its bound: an LSTM model on fixed-shape random batches
+    bound_model: dict[str, int] = field(default_factory=lambda: _model(2000, 256, 256, 4))
+    bound_rows: int = 64
+    bound_length: int = 35
+    bound_m: tuple[int, ...] = (4, 8, 16)
+    bound_warmup: int = 3
+    bound_steps: int = 10
+    # layouts on PTB: conf/model names -> overrides
+    layout_models: dict[str, dict[str, Any]] = field(default_factory=lambda: {"tiny": {}, "small": {},
+                                                                               "mxnet_ptb": {}})
+    layout_batch: int = 64
+    layout_warmup: int = 3
+    layout_steps: int = 10
+    layout_rounds: int = 3
+    # partition regret: every contiguous 2-stage split of a model with a few blocks
+    regret_model: dict[str, int] = field(default_factory=lambda: _model(10000, 256, 256, 4))
+    regret_rows: int = 64
+    regret_length: int = 35
+    regret_m: int = 4
+    regret_warmup: int = 2
+    regret_steps: int = 6
+    regret_rounds: int = 2
+    # bucketing: one process on PTB
+    bucket_model: str = "small"
+    bucket_overrides: dict[str, Any] = field(default_factory=dict)
+    bucket_warmup: int = 3
+    bucket_steps: int = 20
+    bucket_auto: tuple[int, ...] = (5, 10)
+    # layout advice: the most microbatches a pipeline candidate may have
+    advice_max_microbatches: int = 32
+    # memory (benchmarks/memory.py)
+    memory_hidden: int = 1024
+    memory_rows: int = 8
+    memory_steps: int = 2
+    memory_layouts: dict[str, int] = field(default_factory=lambda: {"1 process": 1, "pp2": 2, "pp4": 4})
+    memory_formats: tuple[str, ...] = ("file", "sharded")
+    #: measure memory as the first job of the other sections' processes (one-file save only) instead of in
+    #: processes of its own
+    memory_inline: bool = False
+    # strategy overhead: benchmarks/strategy_overhead.py's Setup fields ({}: its defaults)
+    overhead: dict[str, Any] = field(default_factory=dict)
+    overhead_steps: int = 30
+    overhead_warmup: int = 5
+    overhead_rounds: int = 2
+    # seconds each group of processes may take
+    timeout: float = 1800.0
+
+
+FULL = Sizes()
+_TINY = {"embedding_dim": 16, "hidden_size": 16}
+QUICK = Sizes(
+    bound_model=_model(64, 16, 16, 2), bound_rows=16, bound_length=8, bound_warmup=1, bound_steps=3,
+    layout_models={"tiny": _TINY, "small": _TINY, "mxnet_ptb": _TINY}, layout_batch=64, layout_warmup=1,
+    layout_steps=3, layout_rounds=1,
+    regret_model=_model(64, 16, 16, 2), regret_rows=16, regret_length=8, regret_m=2, regret_warmup=1,
+    regret_steps=2, regret_rounds=1,
+    bucket_overrides=_TINY, bucket_warmup=1, bucket_steps=3, advice_max_microbatches=4,
+    memory_hidden=32, memory_rows=4, memory_steps=1, memory_layouts={"1 process": 1, "pp2": 2},
+    memory_formats=("file",), memory_inline=True,
+    overhead={**_model(64, 16, 16, 2), "rows": 16, "length": 8, "microbatches": 4},
+    overhead_steps=4, overhead_warmup=1, overhead_rounds=1,
+    timeout=300.0,
+)
