@@ -64,7 +64,7 @@ def rank_peaks(rank: int, world_size: int, args: dict, directory: str, fmt: str)
     training = _peak_mib()
     trainer.save_checkpoint(Path(directory) / f"{fmt}.ckpt")
     out = {"training": training, "saving": _peak_mib(), "params": sum(p.numel() for p in model.parameters()),
-           "blocks": [name for name, _ in model.blocks()]}
+           "blocks": trainer.strategy.plan.blocks_of(trainer.strategy.pipeline_rank)}
     out["floor"] = floor
     return out
 

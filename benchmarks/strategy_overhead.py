@@ -31,6 +31,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class  # noqa: E
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
+from lightning_mp_lstm.declaration import pipeline_model  # noqa: E402
 from lightning_mp_lstm.model import token_loss_sum  # noqa: E402
 from lightning_mp_lstm.partition import even_partition  # noqa: E402
 from lightning_mp_lstm.testing import run_ranks  # noqa: E402
@@ -94,9 +95,10 @@ class _Contiguous(nn.Module):
 def _bare_loop(rank: int, steps: int, setup: Setup) -> list[float]:
     """The reference: PipelineStage + schedule + optimizer, nothing else."""
     model = _model(setup)
-    stages = even_partition(model.block_names, 2)
-    model.keep_blocks(stages[rank])
-    stage_module = nn.Sequential(*[module for _, module in model.blocks()])
+    blocks = pipeline_model(model)  # the model's blocks, as the strategy splits them
+    stages = even_partition(blocks.block_names, 2)
+    blocks.keep_blocks(stages[rank])
+    stage_module = nn.Sequential(*[module for _, module in blocks.blocks()])
 
     stage = PipelineStage(_Contiguous(stage_module), rank, 2, torch.device("cpu"))
     divisor = torch.tensor(float(setup.rows * setup.length))

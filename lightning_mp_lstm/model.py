@@ -95,7 +95,8 @@ class LSTMLanguageModel(pl.LightningModule):
         if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}, or a callable "
                              "params -> optimizer")
-        self.save_hyperparameters()
+        # Not sent to the loggers: optimizer and scheduler partials do not go into a YAML file.
+        self.save_hyperparameters(logger=False)
         # Every block's initial values derive from this seed and the block's name (drawn from the global generator,
         # so seeding before construction fixes the model).
         self._init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))

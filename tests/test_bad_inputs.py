@@ -46,8 +46,8 @@ CASES = [
     Case("model: no LSTM layer", ["model.num_layers=0"], r"num_layers must be a positive integer, got 0"),
     Case("model: negative width", ["model.hidden_size=-4"], r"hidden_size must be a positive integer, got -4"),
     Case("model: dropout of 1.5", ["model.dropout=1.5"], r"dropout must be in \[0, 1\), got 1.5"),
-    Case("model: unknown optimizer", ["model.optimizer=rmsprop"],
-         r"unknown optimizer 'rmsprop'; allowed: sgd, adam, adamw"),
+    Case("model: unknown optimizer", ["model.optimizer._target_=torch.optim.RMSpropp"],
+         r"model: Error loading 'torch.optim.RMSpropp'"),
     Case("model: tied weights of two widths", ["model.tie_weights=true", "model.embedding_dim=8"],
          r"tie_weights=True needs embedding_dim == hidden_size, got 8 and 16"),
     # ----- layouts and schedules

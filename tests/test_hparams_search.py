@@ -31,7 +31,7 @@ def test_the_search_config_sets_up_the_optuna_sweeper():
     assert sweeper.sampler._target_ == "optuna.samplers.TPESampler"
     assert cfg.optimized_metric == "val/loss"
     params = OmegaConf.to_container(sweeper.params)
-    assert set(params) == {"model.lr", "model.dropout"}
+    assert set(params) == {"model.optimizer.lr", "model.dropout"}
     # Every searched key exists in the composed config (a typo would make each trial fail).
     assert all(OmegaConf.select(cfg, key) is not None for key in params)
 
@@ -47,7 +47,7 @@ def test_optuna_sweep_returns_the_best_trials_metric(tmp_path):
     out = result.stdout
     assert result.returncode == 0, out[-4000:]
     results = OmegaConf.load(sweep / "optimization_results.yaml")
-    assert set(results.best_params) == {"model.lr", "model.dropout"}
+    assert set(results.best_params) == {"model.optimizer.lr", "model.dropout"}
     assert f"Best value: {results.best_value}" in out
     # What each trial returned: its evaluated (best) weights' val/loss, the last one its logger wrote.
     returned = [_last_value(sweep / str(job) / "logs" / "metrics.csv", "val/loss") for job in (0, 1)]
