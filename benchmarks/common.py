@@ -51,6 +51,14 @@ def model_config(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
     config = OmegaConf.to_container(OmegaConf.load(MODELS_DIR / f"{name}.yaml"))
     assert isinstance(config, dict)
     config.pop("_target_", None)
+    # Plain values (job specs travel to the ranks and into the results): the optimizer partial as the model's
+    # optimizer name and learning rate, an exponential scheduler as its per-epoch decay.
+    optimizer = config.pop("optimizer", None) or {}
+    if optimizer:
+        config |= {"optimizer": optimizer["_target_"].rsplit(".", 1)[-1].lower(), "lr": optimizer["lr"]}
+    scheduler = config.pop("scheduler", None) or {}
+    if scheduler:
+        config["lr_decay"] = scheduler["gamma"]
     return {**config, **overrides}
 
 

@@ -232,8 +232,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if cfg.ckpt_path:
             check_resume(cfg.ckpt_path, model, datamodule)
         started = time.perf_counter()
-        # The run's own checkpoints (or the one the user named) hold the model's optimizer partials: not weights only.
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=False)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         fit_seconds = time.perf_counter() - started
         # Before evaluating: loading a checkpoint restores the checkpoint callback's state as it was saved.
         best = best_checkpoint(trainer)
@@ -259,8 +258,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             for split, run in (("val", trainer.validate), ("test", trainer.test)):
                 # The best checkpoint, as lightning-hydra-template tests it (ckpt_path=best_model_path); the
                 # strategy loads it into whatever layout this run has.
-                results = run(model, datamodule=datamodule, ckpt_path=best.path if best else None, verbose=False,
-                              weights_only=False)
+                results = run(model, datamodule=datamodule, ckpt_path=best.path if best else None, verbose=False)
                 summary["metrics"].update(_scalars(results[0]))
                 loss = float(results[0][f"{split}/loss"])
                 summary[f"{split}_loss"] = loss

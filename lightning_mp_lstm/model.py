@@ -95,8 +95,13 @@ class LSTMLanguageModel(pl.LightningModule):
         if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}, or a callable "
                              "params -> optimizer")
-        # Not sent to the loggers: optimizer and scheduler partials do not go into a YAML file.
-        self.save_hyperparameters(logger=False)
+        # Optimizer and scheduler factories (Hydra partials) stay out of the hyperparameters: checkpoints then hold
+        # plain values only and load with torch's weights-only unpickler (Lightning 2.6 passes no weights_only to a
+        # strategy that restores after setup, as mp_lstm does).
+        self.optimizer_factory = optimizer if callable(optimizer) else None
+        self.scheduler_factory = scheduler
+        self.save_hyperparameters(ignore=[name for name, value in (("optimizer", optimizer), ("scheduler", scheduler))
+                                          if callable(value)])
         # Every block's initial values derive from this seed and the block's name (drawn from the global generator,
         # so seeding before construction fixes the model).
         self._init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
@@ -201,8 +206,8 @@ class LSTMLanguageModel(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
-        if callable(hp.optimizer):
-            opt = hp.optimizer(params)
+        if self.optimizer_factory is not None:
+            opt = self.optimizer_factory(params)
         else:
             # torch's multi-tensor kernels refuse a list that mixes sharded (DTensor) and plain parameters.
             foreach = False if any(type(p).__name__ == "DTensor" for p in params) else None
@@ -210,8 +215,8 @@ class LSTMLanguageModel(pl.LightningModule):
                      "adamw": (torch.optim.AdamW, {})}
             kind, extra = kinds[hp.optimizer.lower()]
             opt = kind(params, lr=hp.lr, weight_decay=hp.weight_decay, foreach=foreach, **extra)
-        if hp.scheduler is not None:
-            return {"optimizer": opt, "lr_scheduler": hp.scheduler(opt)}
+        if self.scheduler_factory is not None:
+            return {"optimizer": opt, "lr_scheduler": self.scheduler_factory(opt)}
         if hp.lr_decay == 1.0:
             return opt
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, gamma=hp.lr_decay)}

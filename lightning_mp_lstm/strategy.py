@@ -625,6 +625,7 @@ class MPLSTMStrategy(ParallelStrategy):
         if ckpt.is_sharded(checkpoint_path):
             optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
             return ckpt.load_sharded(checkpoint_path, self.lightning_module, optimizers, self._aliases)
+
         def load(path: Any) -> Any:
             return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
