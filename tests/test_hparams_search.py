@@ -54,5 +54,5 @@ def test_optuna_sweep_returns_the_best_trials_metric(tmp_path):
     assert results.best_value == pytest.approx(min(returned), rel=1e-6)
     # The two trials tried different values, each on the best checkpoint it saved.
     tried = [(sweep / str(job) / ".hydra" / "overrides.yaml").read_text() for job in (0, 1)]
-    assert len({re.search(r"model\.lr=(\S+)", text).group(1) for text in tried}) == 2
+    assert len({re.search(r"model\.optimizer\.lr=(\S+)", text).group(1) for text in tried}) == 2
     assert out.count("evaluated weights             best.ckpt (val/loss") == 2
