@@ -28,6 +28,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_mp_lstm.faults import object_group
+
 __all__ = [
     "SHARDED_METADATA",
     "AtomicCheckpointIO",
@@ -193,14 +195,14 @@ def gather_to_rank_zero(local: dict[str, Any]) -> list[dict[str, Any]] | None:
     local = _to_cpu(local)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [local]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    group = object_group()  # gloo: the bytes stay in host memory whatever the training backend
     if dist.get_rank() != 0:
-        dist.send_object_list([local], dst=0, device=device)
+        dist.send_object_list([local], dst=0, group=group)
         return None
     parts = [local]
     for source in range(1, dist.get_world_size()):
         box: list[Any] = [None]
-        dist.recv_object_list(box, src=source, device=device)
+        dist.recv_object_list(box, src=source, group=group)
         parts.append(box[0])
     return parts
 

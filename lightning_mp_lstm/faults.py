@@ -26,7 +26,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["PeerDirectory", "everywhere", "gather", "looks_like_lost_peer", "result_from"]
+__all__ = ["PeerDirectory", "everywhere", "gather", "looks_like_lost_peer", "object_group", "result_from",
+           "setup_object_group"]
 
 T = TypeVar("T")
 
@@ -41,6 +42,26 @@ _LOST_PEER = re.compile(
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+_OBJECT_GROUP: dict[str, Any] = {"group": None}
+
+
+def setup_object_group() -> None:
+    """Make the process group that carries pickled objects (plans, errors, checkpoints gathered on rank 0, timeline
+    spans): with a default backend other than gloo (nccl), a gloo group over every rank, so objects travel through
+    host memory instead of being staged in GPU memory through NCCL communicators; with gloo, the default group.
+
+    A collective: every rank calls it once the default process group exists (the strategy's ``setup_environment``).
+    """
+    gloo = dist.get_backend() == "gloo"
+    _OBJECT_GROUP["group"] = None if gloo else dist.new_group(backend="gloo")
+
+
+def object_group() -> dist.ProcessGroup | None:
+    """The group for object collectives over every rank (``None``: the default group): see
+    :func:`setup_object_group`."""
+    return _OBJECT_GROUP["group"] if dist.is_available() and dist.is_initialized() else None
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -70,9 +91,9 @@ def result_from(src: int, fn: Callable[[], T]) -> T:
             outcome[0] = ("ok", fn())
         except Exception as error:  # noqa: BLE001  (shared with every rank, then re-raised here too)
             outcome[0] = ("error", _portable(error))
-            dist.broadcast_object_list(outcome, src)
+            dist.broadcast_object_list(outcome, src, group=object_group())
             raise
-    dist.broadcast_object_list(outcome, src)
+    dist.broadcast_object_list(outcome, src, group=object_group())
     kind, value = outcome[0]
     if kind == "error":
         _raise_shared(value, src)
@@ -88,6 +109,7 @@ def gather(fn: Callable[[], T], group: dist.ProcessGroup | None = None) -> list[
         outcome: Any = ("ok", fn())
     except Exception as error:  # noqa: BLE001  (shared below)
         outcome = ("error", _portable(error))
+    group = group if group is not None else object_group()
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, outcome, group=group)
     for rank, (kind, value) in enumerate(gathered):
@@ -149,7 +171,7 @@ class PeerDirectory:
         """Exchange host names and pids over the default process group."""
         me = _Peer(dist.get_rank(), socket.gethostname(), os.getpid())
         peers: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(peers, me)
+        dist.all_gather_object(peers, me, group=object_group())
         return cls(peers, me.rank)
 
     @staticmethod

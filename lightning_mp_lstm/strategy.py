@@ -45,7 +45,7 @@ from lightning_mp_lstm import profile, report
 from lightning_mp_lstm.contract import PipelineModel, check_data
 from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.engine import PipelineEngine, ProcessGroups, build_engine
-from lightning_mp_lstm.faults import PeerDirectory, gather, result_from
+from lightning_mp_lstm.faults import PeerDirectory, gather, object_group, result_from, setup_object_group
 from lightning_mp_lstm.launcher import JobLauncher
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout, schedule_style
 from lightning_mp_lstm.metrics import LanguageModelMetrics
@@ -363,8 +363,10 @@ class MPLSTMStrategy(ParallelStrategy):
                               device_id=device_id)
         if self._device_mesh is None:
             self._device_mesh = layout.build_mesh(self.root_device.type, self._process_group_backend, self._timeout)
-        if _distributed_is_initialized() and self._peers is None:
-            self._peers = PeerDirectory.gather()
+        if _distributed_is_initialized():
+            if self._peers is None:
+                setup_object_group()
+                self._peers = PeerDirectory.gather()
 
     def check(self, model: pl.LightningModule, datamodule: Any = None, fitting: bool = True) -> None:
         """Check that this strategy can run ``model`` on ``datamodule``'s batches, without starting anything.
@@ -564,7 +566,7 @@ class MPLSTMStrategy(ParallelStrategy):
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        dist.broadcast_object_list(box, src, group=object_group())
         return box[0]
 
     @override

@@ -25,6 +25,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_mp_lstm.faults import gather
+
 __all__ = ["RECORDER", "PipelineTimeline", "Span", "StepRecord", "chrome_trace", "draw", "predicted_bubble"]
 
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "compute")
@@ -357,10 +359,7 @@ class PipelineTimeline(pl.Callback):
         engine = getattr(trainer.strategy, "engine", None)  # None under another strategy
         tokens = int(engine.last_tokens) if engine is not None and engine.last_tokens is not None else 0
         rank = trainer.global_rank
-        parts: list[Any] = [(rank, wall, local)]
-        if dist.is_available() and dist.is_initialized():
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, (rank, wall, local))
+        parts = gather(lambda: (rank, wall, local))
         spans = [Span(r, stage, kind=kind, microbatch=mb, start=start, end=end, direction=direction,
                       peer_stage=peer) for r, _, rank_spans in parts
                  for kind, stage, mb, start, end, direction, peer in rank_spans]
