@@ -8,11 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from lightning_mp_lstm import profile
+from lightning_mp_lstm.faults import gather
 from lightning_mp_lstm.partition import even_partition, stage_totals
 from lightning_mp_lstm.plan import PipelinePlan
 
-__all__ = ["Measurements", "render", "stage_summary"]
+__all__ = ["Measurements", "measure", "render", "stage_summary"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,24 @@ class Measurements:
 
     stage_seconds: tuple[float, ...] | None = None
     step_seconds: float | None = None
+
+
+def measure(engine: Any, batch: Any, device: torch.device, step_starts: Sequence[float]) -> Measurements:
+    """Time every stage on its own process at ``batch``'s microbatch shape (a collective), with the median interval
+    between ``step_starts`` as the step time.
+
+    Args:
+        engine: the :class:`~lightning_mp_lstm.engine.PipelineEngine` whose stages to time.
+        batch: a training batch, as the engine is given them.
+        device: this process's device.
+        step_starts: when training steps started (host clock).
+    """
+    inputs, _, _ = engine.prepare(batch)
+    rows, length = -(-int(inputs.shape[0]) // engine.layout.n_microbatches), int(inputs.shape[1])
+    parts = gather(lambda: profile.stage_seconds(engine.model, engine.stage_modules, rows, length, device))
+    merged = {s: t for part in reversed(parts) for s, t in part.items()}
+    return Measurements(stage_seconds=tuple(merged[s] for s in range(engine.layout.num_stages)),
+                        step_seconds=profile.median_interval(step_starts))
 
 
 def _shares(values: Sequence[float]) -> list[float]:

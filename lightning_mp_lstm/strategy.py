@@ -12,7 +12,6 @@ Lightning's optimizer step. The module never holds the engine.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
@@ -41,18 +40,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mp_lstm import checkpoint as ckpt
-from lightning_mp_lstm import profile, report
+from lightning_mp_lstm import report
 from lightning_mp_lstm.contract import PipelineModel, check_data
 from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.engine import PipelineEngine, ProcessGroups, build_engine
 from lightning_mp_lstm.faults import PeerDirectory, gather, object_group, result_from, setup_object_group
 from lightning_mp_lstm.launcher import JobLauncher
-from lightning_mp_lstm.layout import LayoutError, ParallelLayout, schedule_style
+from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.metrics import LanguageModelMetrics
+from lightning_mp_lstm.options import ProcessOptions
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
 from lightning_mp_lstm.precision import PipelinePrecision
 from lightning_mp_lstm.tied import TiedWeights, shared_parameter_aliases
-from lightning_mp_lstm.validation import check_positive_int, check_positive_number
 
 __all__ = ["MPLSTMStrategy"]
 
@@ -128,32 +127,10 @@ class MPLSTMStrategy(ParallelStrategy):
         self._options = PlanOptions(partition="even" if partition is None else partition, balance_by=balance_by,
                                     stage_speeds=tuple(stage_speeds) if stage_speeds is not None else None,
                                     n_microbatches=n_microbatches)
-        check_positive_int("pipeline_parallel_size", pipeline_parallel_size, LayoutError, also=("auto",))
-        check_positive_int("data_parallel_size", data_parallel_size, LayoutError)
-        check_positive_int("tensor_parallel_size", tensor_parallel_size, LayoutError)
-        if data_parallel_weights is not None:
-            if isinstance(data_parallel_weights, str):
-                raise LayoutError(f"data_parallel_weights must be positive numbers, one per replica, got "
-                                  f"{data_parallel_weights!r}")
-            for weight in data_parallel_weights:
-                check_positive_number(f"data_parallel_weights (got {data_parallel_weights!r}): each weight", weight,
-                                      LayoutError)
-        schedule_style(schedule)
-        if checkpoint_format not in ("file", "sharded"):
-            raise ValueError(f"unknown checkpoint_format {checkpoint_format!r}; allowed: file, sharded")
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        check_positive_number("timeout (seconds or a timedelta)", seconds)
-        check_positive_int("num_threads", num_threads, also=("auto",))
-        self._pipeline_parallel_size = pipeline_parallel_size
-        self._data_parallel_size = data_parallel_size
-        self._tensor_parallel_size = tensor_parallel_size
-        self._data_parallel_weights = list(data_parallel_weights) if data_parallel_weights is not None else None
-        self._stages_per_rank = stages_per_rank
-        self._schedule = schedule
+        self._process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
+                                       data_parallel_weights, stages_per_rank, schedule, checkpoint_format,
+                                       timeout if isinstance(timeout, timedelta) else timeout, num_threads)
         self._report_after_steps = report_after_steps
-        self._checkpoint_format = checkpoint_format
-        self._timeout = timedelta(seconds=float(seconds))
-        self._num_threads = num_threads
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self._layout: ParallelLayout | None = None
@@ -168,8 +145,8 @@ class MPLSTMStrategy(ParallelStrategy):
         self._full_state_keys: list[str] | None = None
         self._full_parameter_names: list[str] | None = None
         self._aliases: dict[str, str] = {}
-        if pipeline_parallel_size != "auto":
-            self._resolve_layout(pipeline_parallel_size * data_parallel_size * tensor_parallel_size)
+        if self._process.fixed_world_size is not None:
+            self._resolve_layout(self._process.fixed_world_size)
 
     # ----- layout and plan -------------------------------------------------------------------------------
     def _resolve_layout(self, world_size: int) -> ParallelLayout:
@@ -177,33 +154,17 @@ class MPLSTMStrategy(ParallelStrategy):
         keep what ``fit`` resolved (the ``n_microbatches`` the plan chose included)."""
         if self._plan is not None:
             return self._plan.layout
-        layout = self._layout
-        if layout is None or layout.world_size != world_size:
+        if self._layout is None or self._layout.world_size != world_size:
             m = self._options.n_microbatches
-            layout = ParallelLayout.resolve(world_size, self._data_parallel_size, self._pipeline_parallel_size,
-                                            self._stages_per_rank, self._schedule, m if isinstance(m, int) else None,
-                                            self._tensor_parallel_size)
-            weights = self._data_parallel_weights
-            if weights is not None and len(weights) != layout.data_parallel_size:
-                raise LayoutError(f"data_parallel_weights={weights} must hold one positive weight per replica "
-                                  f"(data_parallel_size={layout.data_parallel_size})")
-            self._layout = layout
-        return layout
+            self._layout = self._process.resolve(world_size, m if isinstance(m, int) else None)
+        return self._layout
 
     def processes_for(self, model: pl.LightningModule) -> int | None:
         """The number of processes this strategy needs for ``model``, when its options determine it (an explicit
         ``pipeline_parallel_size``, or a partition with a stage count); else ``None``: the Trainer's devices."""
-        dp = self._data_parallel_size * self._tensor_parallel_size
-        if self._pipeline_parallel_size != "auto":
-            return dp * self._pipeline_parallel_size
-        stages = self._options.stage_count(self._blocks(model).block_names)
-        if stages is None:
-            return None
-        _, style = schedule_style(self._schedule)
-        spr = self._stages_per_rank or (1 if style == "single" else 2)
-        if stages % spr:
-            raise LayoutError(f"the partition has {stages} stages, which is not a multiple of stages_per_rank={spr}")
-        return dp * (stages // spr)
+        if self._process.fixed_world_size is not None:
+            return self._process.fixed_world_size
+        return self._process.processes_for(self._options.stage_count(self._blocks(model).block_names))
 
     @property
     def layout(self) -> ParallelLayout:
@@ -291,7 +252,8 @@ class MPLSTMStrategy(ParallelStrategy):
     @property
     def data_parallel_weights(self) -> list[float] | None:
         """Relative batch share of each data-parallel replica (``None``: equal shares)."""
-        return self._data_parallel_weights
+        weights = self._process.data_parallel_weights
+        return list(weights) if weights is not None else None
 
     @property
     def process_group_backend(self) -> str | None:
@@ -350,19 +312,18 @@ class MPLSTMStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING)
         if self.root_device.type == "cpu":
-            local = max(1, self.num_processes)
-            threads = self._num_threads if self._num_threads != "auto" else max(1, (os.cpu_count() or 1) // local)
-            torch.set_num_threads(threads)
+            torch.set_num_threads(self._process.threads(self.num_processes))
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device)
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+        timeout = self._process.timeout
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=timeout,
                               device_id=device_id)
         if self._device_mesh is None:
-            self._device_mesh = layout.build_mesh(self.root_device.type, self._process_group_backend, self._timeout)
+            self._device_mesh = layout.build_mesh(self.root_device.type, self._process_group_backend, timeout)
         if _distributed_is_initialized():
             if self._peers is None:
                 setup_object_group()
@@ -403,21 +364,11 @@ class MPLSTMStrategy(ParallelStrategy):
         if options.auto_microbatches:
             microbatch_candidates(layout, self._replica_rows(datamodule), options.max_microbatches)
         elif fitting:
-            self._check_batch_size(datamodule)
+            self._process.check_batch(layout, datamodule)
 
     def _replica_rows(self, datamodule: Any) -> int:
         rows = getattr(datamodule, "batch_size", None) or 32
         return max(1, int(rows) // self.layout.data_parallel_size)
-
-    def _check_batch_size(self, datamodule: Any) -> None:
-        batch_size = getattr(datamodule, "batch_size", None)
-        if not isinstance(batch_size, int) or getattr(datamodule, "max_tokens", None) or self._data_parallel_weights:
-            return  # budgets and weighted shares vary the rows: ragged batches get rows without loss
-        dp = self.layout.data_parallel_size
-        if batch_size % dp:
-            raise LayoutError(f"batch_size={batch_size} sentences must split evenly over data_parallel_size={dp} "
-                              "replicas")
-        self.layout.check_batch(batch_size // dp)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -534,15 +485,8 @@ class MPLSTMStrategy(ParallelStrategy):
 
     def _measure(self, batch: Any) -> None:
         """Time every stage on its own process at this batch's microbatch shape; report on rank 0."""
-        blocks, engine = self.engine.model, self.engine
-        inputs, _, _ = engine.prepare(batch)
-        rows, length = -(-int(inputs.shape[0]) // self.layout.n_microbatches), int(inputs.shape[1])
-        parts = gather(lambda: profile.stage_seconds(blocks, engine.stage_modules, rows, length, self.root_device))
-        merged = {s: t for part in reversed(parts) for s, t in part.items()}
         # Skip the first interval: it includes building the stages for new shapes.
-        self._measurements = report.Measurements(
-            stage_seconds=tuple(merged[s] for s in range(self.layout.num_stages)),
-            step_seconds=profile.median_interval(self._batch_start_times[1:]))
+        self._measurements = report.measure(self.engine, batch, self.root_device, self._batch_start_times[1:])
         rank_zero_info(f"mp_lstm partition after {self._report_after_steps} steps:\n{self.report}")
 
     @override
@@ -585,7 +529,7 @@ class MPLSTMStrategy(ParallelStrategy):
         """One file: the full model's state dict on global rank 0 (empty elsewhere), gathered from all stages.
         Sharded: this process's own tensors (nothing is gathered)."""
         local = self.lightning_module.state_dict()
-        if self._checkpoint_format == "sharded":
+        if self._process.checkpoint_format == "sharded":
             return local  # torch.distributed.checkpoint writes tensor-parallel shards as they are
         parts = ckpt.gather_to_rank_zero(ckpt.full_tensors(local))  # one process's whole tensors
         if parts is None:
@@ -600,7 +544,7 @@ class MPLSTMStrategy(ParallelStrategy):
         (sharded)."""
         inner = getattr(optimizer, "_optimizer", optimizer)
         local = ckpt.optimizer_state_by_name(inner, self.lightning_module, self._aliases)
-        if self._checkpoint_format == "sharded":
+        if self._process.checkpoint_format == "sharded":
             return local
         parts = ckpt.gather_to_rank_zero(ckpt.full_tensors(local))
         return ckpt.merge_optimizer_states(parts, order=self._full_parameter_names) if parts is not None else {}
@@ -610,7 +554,7 @@ class MPLSTMStrategy(ParallelStrategy):
         """One file: written on global rank 0, atomically (see
         :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`). Sharded: a directory every rank writes its own
         tensors to (:func:`~lightning_mp_lstm.checkpoint.save_sharded`). A failed write fails every rank."""
-        if self._checkpoint_format == "sharded":
+        if self._process.checkpoint_format == "sharded":
             names_only = [{"state": {}, "param_groups": s["param_groups"]} for s in checkpoint["optimizer_states"]]
             every = gather(lambda: names_only)
             groups = [ckpt.merge_optimizer_states([rank[i] for rank in every], order=self._full_parameter_names)[
