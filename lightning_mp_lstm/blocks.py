@@ -10,6 +10,7 @@ is split into layers by :class:`LayerwiseLSTM`, which holds the very same parame
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -78,13 +79,27 @@ class LayerwiseLSTM(nn.Module):
         return f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, layers held={self.layers()}"
 
 
+def without_autocast(x: torch.Tensor) -> Any:
+    """A context in which autocast is off on ``x``'s device.
+
+    Under autocast, torch's rule for cuDNN RNNs runs them in float16 whatever dtype was asked for, and mixed
+    precision in this library has no loss scaling: LSTM layers always run in their weights' dtype (float32 under
+    ``bf16-mixed``, bfloat16 under ``bf16-true``) while the vocabulary layers follow autocast.
+    """
+    device = x.device.type
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else nullcontext()
+
+
 def run_lstm_layer(weights: list[torch.Tensor], x: torch.Tensor, state: Any, training: bool) -> tuple[Any, Any]:
     """One batch-first LSTM layer over ``x`` (B, T, in) from ``state`` (``(h, c)`` or ``None``): what ``nn.LSTM``
-    computes for one layer (the same kernel, cuDNN on GPUs)."""
-    if state is None:
-        zeros = x.new_zeros(1, x.shape[0], weights[1].shape[1])
-        state = (zeros, zeros)
-    out, h, c = torch._VF.lstm(x, state, weights, True, 1, 0.0, training, False, True)
+    computes for one layer (the same kernel, cuDNN on GPUs), in the weights' dtype with autocast off."""
+    with without_autocast(x):
+        x = x.to(weights[0].dtype)
+        if state is None:
+            zeros = x.new_zeros(1, x.shape[0], weights[1].shape[1])
+            state = (zeros, zeros)
+        out, h, c = torch._VF.lstm(x, tuple(t.to(x.dtype) for t in state), weights, True, 1, 0.0, training, False,
+                                   True)
     return out, (h, c)
 
 

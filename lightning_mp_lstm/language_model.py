@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_mp_lstm import costs
+from lightning_mp_lstm.batch_layout import check_time_axis, rows_first
 from lightning_mp_lstm.blocks import (
     DecoderBlock,
     EmbeddingBlock,
@@ -322,52 +323,14 @@ class LanguageModelBlocks:
 
     # ----- the contract: batches, loss, predictions --------------------------------------------------------
     def prepare_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)`` of a batch, rows first ``(B, T)``, whatever layout the declaration says.
-
-        Raises:
-            ValueError: targets that do not fit the inputs, or (first batch) next-token targets that run along the
-                other axis than the declared one: the message names the shapes seen and the fix.
-        """
-        inputs, targets = batch[0], batch[1]
-        if inputs.dim() != 2:
-            raise ValueError(f"mp_lstm expects token ids of shape (B, T) (or (T, B) with time_first=True); got "
-                             f"inputs of shape {tuple(inputs.shape)}")
-        if targets.shape != inputs.shape:
-            if targets.dim() == 1 and targets.numel() == inputs.numel():
-                if not self.declaration.time_first:
-                    raise ValueError(
-                        f"flat targets of shape {tuple(targets.shape)} for inputs of shape {tuple(inputs.shape)}: "
-                        "that is how time-first batches ((T, B) inputs, targets.view(-1)) come, as word_language_model "
-                        "makes them; declare LSTMBlocks(..., time_first=True)")
-                targets = targets.view(inputs.shape)
-            else:
-                raise ValueError(f"targets of shape {tuple(targets.shape)} do not fit inputs of shape "
-                                 f"{tuple(inputs.shape)}: give one next-token target per input token")
+        """``(inputs, targets)`` of a batch, rows first ``(B, T)``, whatever layout the declaration says
+        (:func:`~lightning_mp_lstm.batch_layout.rows_first`; the first batch's time axis is checked too)."""
+        inputs, targets = rows_first(batch[0], batch[1], self.declaration.time_first)
         if not self._checked_layout:
-            self._check_layout(inputs, targets)
-        if self.declaration.time_first:
-            return inputs.t().contiguous(), targets.t().contiguous()
+            self._checked_layout = True
+            shown = (inputs.t(), targets.t()) if self.declaration.time_first else (inputs, targets)
+            check_time_axis(*shown, self.declaration.time_first, self.ignore_index)
         return inputs, targets
-
-    def _check_layout(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Refuse a batch whose next-token targets run along the other axis than the declared time axis."""
-        self._checked_layout = True
-
-        def agreement(axis: int) -> float:  # how often input t+1 is target t along ``axis``
-            following = inputs.narrow(axis, 1, inputs.shape[axis] - 1)
-            target = targets.narrow(axis, 0, targets.shape[axis] - 1)
-            real = (following != self.ignore_index) & (target != self.ignore_index)
-            return float((following == target)[real].float().mean()) if bool(real.any()) else 0.0
-
-        declared, other = (0, 1) if self.declaration.time_first else (1, 0)
-        if inputs.shape[other] > 1 and agreement(other) > 0.9 and agreement(declared) < 0.5:
-            seen = (f"(T, B) = {inputs.shape[0]} steps of {inputs.shape[1]} sequences" if other == 0 else
-                    f"(B, T) = {inputs.shape[0]} sequences of {inputs.shape[1]} steps")
-            fix = "declare LSTMBlocks(..., time_first=True)" if other == 0 else "remove time_first=True"
-            raise ValueError(
-                f"the batch's targets are the next tokens along dimension {other}, not along the declared time "
-                f"dimension {declared}: inputs of shape {tuple(inputs.shape)} are {seen}; {fix} (read the other "
-                "way, the batches would train a different model)")
 
     def microbatch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy over the target tokens (vocabulary-sharded logits: with ``loss_parallel``)."""

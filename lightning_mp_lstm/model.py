@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_mp_lstm.blocks import token_cross_entropy
+from lightning_mp_lstm.blocks import token_cross_entropy, without_autocast
 from lightning_mp_lstm.declaration import LSTMBlocks
 from lightning_mp_lstm.language_model import prediction_from_logits
 from lightning_mp_lstm.metrics import LanguageModelMetrics, perplexity
@@ -146,10 +146,11 @@ class LSTMLanguageModel(pl.LightningModule):
         per layer), and the state each layer ended with."""
         x = self.dropout(self.embedding(tokens))
         ended = []
-        for layer, hx in zip(self.lstm, state or [None] * len(self.lstm), strict=True):
-            x, hx = layer(x, hx)
-            x = self.dropout(x)
-            ended.append(hx)
+        with without_autocast(x):  # the LSTMs in their weights' dtype, as under mp_lstm (blocks.without_autocast)
+            for layer, hx in zip(self.lstm, state or [None] * len(self.lstm), strict=True):
+                x, hx = layer(x.to(layer.weight_ih_l0.dtype), hx)
+                x = self.dropout(x)
+                ended.append(hx)
         return self.decoder(x), ended
 
     def _loss(self, batch: Any, mode: str) -> tuple[torch.Tensor, torch.Tensor]:

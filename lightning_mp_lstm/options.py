@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout, schedule_style
+from lightning_mp_lstm.precision import NUMERICS
 from lightning_mp_lstm.validation import check_positive_int, check_positive_number
 
 __all__ = ["CHECKPOINT_FORMATS", "ProcessOptions"]
@@ -37,6 +38,7 @@ class ProcessOptions:
     checkpoint_format: str = "file"
     timeout: timedelta = timedelta(seconds=300)
     num_threads: int | str = "auto"
+    numerics: str = "default"
 
     def __post_init__(self) -> None:
         check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size, LayoutError, also=("auto",))
@@ -60,6 +62,8 @@ class ProcessOptions:
         check_positive_number("timeout (seconds or a timedelta)", seconds)
         object.__setattr__(self, "timeout", timedelta(seconds=float(seconds)))
         check_positive_int("num_threads", self.num_threads, also=("auto",))
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"unknown numerics {self.numerics!r}; allowed: {', '.join(NUMERICS)}")
 
     @property
     def fixed_world_size(self) -> int | None:

@@ -15,12 +15,34 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-__all__ = ["PipelinePrecision"]
+__all__ = ["NUMERICS", "PipelinePrecision", "REFUSED_PRECISIONS", "set_numerics"]
+
+#: ``"default"``: torch's own float32 settings (TF32 in cuDNN RNNs and convolutions on Ampere and later GPUs);
+#: ``"exact"``: IEEE float32 everywhere and deterministic cuDNN kernels, so that a GPU run can be compared with one
+#: process to 1e-5 (what the equivalence tests use).
+NUMERICS = ("default", "exact")
+#: Lightning precisions the pipeline refuses: float16 without loss scaling underflows the gradients of a loss
+#: divided by the global token count, and with scaling the scaler never sees the loss the schedule backpropagates.
+REFUSED_PRECISIONS = ("16-mixed", "16-true")
+
+
+def set_numerics(mode: str) -> None:
+    """Apply a :data:`NUMERICS` mode to this process (``"default"`` changes nothing)."""
+    if mode not in NUMERICS:
+        raise ValueError(f"unknown numerics {mode!r}; allowed: {', '.join(NUMERICS)}")
+    if mode == "exact":
+        # Only torch's new precision API (mixing it with allow_tf32 is refused by torch).
+        torch.backends.cudnn.rnn.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
 
 
 class PipelinePrecision(Precision):

@@ -50,7 +50,7 @@ from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.metrics import LanguageModelMetrics
 from lightning_mp_lstm.options import ProcessOptions
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
-from lightning_mp_lstm.precision import PipelinePrecision
+from lightning_mp_lstm.precision import REFUSED_PRECISIONS, PipelinePrecision, set_numerics
 from lightning_mp_lstm.tied import TiedWeights, shared_parameter_aliases
 
 __all__ = ["MPLSTMStrategy"]
@@ -93,6 +93,8 @@ class MPLSTMStrategy(ParallelStrategy):
             it.
         num_threads: CPU threads per process; ``"auto"`` shares the machine's cores between the local processes.
             Ignored on GPUs.
+        numerics: ``"default"`` (torch's float32 settings: TF32 in cuDNN RNNs on recent GPUs) or ``"exact"`` (IEEE
+            float32 and deterministic cuDNN kernels, to compare layouts with one process to 1e-5 on GPUs).
         process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
     """
 
@@ -114,6 +116,7 @@ class MPLSTMStrategy(ParallelStrategy):
         checkpoint_format: str = "file",
         timeout: float | timedelta = 300.0,
         num_threads: int | str = "auto",
+        numerics: str = "default",
         process_group_backend: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -129,7 +132,7 @@ class MPLSTMStrategy(ParallelStrategy):
                                     n_microbatches=n_microbatches)
         self._process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
                                        data_parallel_weights, stages_per_rank, schedule, checkpoint_format,
-                                       timeout if isinstance(timeout, timedelta) else timeout, num_threads)
+                                       timeout, num_threads, numerics)
         self._report_after_steps = report_after_steps
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
@@ -267,13 +270,18 @@ class MPLSTMStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> PipelinePrecision:
-        return self._precision_plugin
+        # Whatever Lightning chose from Trainer(precision=...), wrapped: the pipeline's backward, reductions, clip.
+        if self._pipeline_precision is None:
+            plugin = self._precision_plugin
+            self._pipeline_precision = plugin if isinstance(plugin, PipelinePrecision) else PipelinePrecision(plugin)
+        return self._pipeline_precision
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # Whatever Lightning chose from Trainer(precision=...), wrapped: the pipeline's backward, reductions, clip.
-        self._precision_plugin = plugin if isinstance(plugin, PipelinePrecision) else PipelinePrecision(plugin)
+        # Kept as given (None until Lightning sets it): Lightning reads ``_precision_plugin`` as the user's choice.
+        self._precision_plugin = plugin
+        self._pipeline_precision: PipelinePrecision | None = None
 
     @override
     @contextmanager
@@ -313,6 +321,7 @@ class MPLSTMStrategy(ParallelStrategy):
         self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING)
         if self.root_device.type == "cpu":
             torch.set_num_threads(self._process.threads(self.num_processes))
+        set_numerics(self._process.numerics)
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -343,9 +352,11 @@ class MPLSTMStrategy(ParallelStrategy):
             LayoutError: ``n_microbatches`` does not fit the batch.
         """
         blocks = self._blocks(model)
-        if self.precision_plugin.scaler is not None:
-            raise ValueError(f"precision {type(self.precision_plugin.inner).__name__} with a gradient scaler is not "
-                             "supported: the pipeline runs backward itself; use precision='32-true' or 'bf16-mixed'")
+        precision = self.precision_plugin.precision
+        if self.precision_plugin.scaler is not None or precision in REFUSED_PRECISIONS:
+            raise ValueError(f"precision={precision!r} (float16) is not supported: the pipeline runs backward itself, "
+                             "without a loss scaler, on a loss divided by the global token count; use "
+                             "precision='32-true', 'bf16-mixed' (LSTMs in float32) or 'bf16-true'")
         layout, options = self.layout, self._options
         options.check(blocks.block_names, layout)
         if layout.tensor_parallel_size > 1:
@@ -420,7 +431,9 @@ class MPLSTMStrategy(ParallelStrategy):
         datamodule = trainer.datamodule
         length = getattr(datamodule, "mean_padded_length", None) or 35
         rows = self._replica_rows(datamodule)
-        return make_plan(blocks, self.layout, self._options, rows, max(1, round(length)), self.root_device)
+        precision = self.precision_plugin  # blocks timed in the dtypes they will train in
+        with precision.tensor_init_context(), precision.forward_context():
+            return make_plan(blocks, self.layout, self._options, rows, max(1, round(length)), self.root_device)
 
     @override
     def model_to_device(self) -> None:
@@ -486,7 +499,8 @@ class MPLSTMStrategy(ParallelStrategy):
     def _measure(self, batch: Any) -> None:
         """Time every stage on its own process at this batch's microbatch shape; report on rank 0."""
         # Skip the first interval: it includes building the stages for new shapes.
-        self._measurements = report.measure(self.engine, batch, self.root_device, self._batch_start_times[1:])
+        with self.precision_plugin.forward_context():
+            self._measurements = report.measure(self.engine, batch, self.root_device, self._batch_start_times[1:])
         rank_zero_info(f"mp_lstm partition after {self._report_after_steps} steps:\n{self.report}")
 
     @override
