@@ -28,7 +28,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_mp_lstm.faults import object_group
+from lightning_mp_lstm.faults import point_to_point_group
 
 __all__ = [
     "SHARDED_METADATA",
@@ -195,7 +195,7 @@ def gather_to_rank_zero(local: dict[str, Any]) -> list[dict[str, Any]] | None:
     local = _to_cpu(local)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [local]
-    group = object_group()  # gloo: the bytes stay in host memory whatever the training backend
+    group = point_to_point_group()  # gloo: the bytes stay in host memory whatever the training backend
     if dist.get_rank() != 0:
         dist.send_object_list([local], dst=0, group=group)
         return None
