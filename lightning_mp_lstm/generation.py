@@ -23,6 +23,7 @@ import torch
 from lightning_mp_lstm.checkpoint import SHARDED_METADATA, CheckpointError, is_sharded, load_sharded, read_checkpoint
 from lightning_mp_lstm.data.vocab import EOS, PAD, UNK, Vocabulary
 from lightning_mp_lstm.model import LSTMLanguageModel
+from lightning_mp_lstm.validation import check_positive_int
 
 __all__ = ["check_sampling", "generate", "generate_from_checkpoint", "generate_ids", "load_for_generation",
            "vocabulary_from_checkpoint"]
@@ -140,20 +141,14 @@ def load_for_generation(
 
 
 # ----- sampling --------------------------------------------------------------------------------------------
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}")
-    return value
-
-
 def check_sampling(num_samples: int, max_tokens: int, temperature: float, top_k: int | None, seed: int) -> None:
     """Check the sampling settings of :func:`generate`.
 
     Raises:
         ValueError: naming the setting, its value and what is allowed.
     """
-    _positive_int("num_samples", num_samples)
-    _positive_int("max_tokens", max_tokens)
+    check_positive_int("num_samples", num_samples)
+    check_positive_int("max_tokens", max_tokens)
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
             or not math.isfinite(temperature) or temperature <= 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r} (1.0 samples the model's "
