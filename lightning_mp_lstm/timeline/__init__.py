@@ -14,6 +14,8 @@ One module per job:
 
 - :mod:`~lightning_mp_lstm.timeline.record`: :class:`Span`, :class:`StepRecord`, :func:`predicted_bubble`.
 - :mod:`~lightning_mp_lstm.timeline.recorder`: the per-process :data:`RECORDER` the stages report to.
+- :mod:`~lightning_mp_lstm.timeline.clocks`: what spans are timed with: the host clock on CPU, device events on
+  CUDA (communication included: NCCL waits return before the transfer is done).
 - :mod:`~lightning_mp_lstm.timeline.torch_p2p`: the hooks on torch's private point-to-point functions.
 - :mod:`~lightning_mp_lstm.timeline.trace`: :func:`chrome_trace`.
 - :mod:`~lightning_mp_lstm.timeline.picture`: :func:`draw`.

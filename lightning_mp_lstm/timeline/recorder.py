@@ -1,9 +1,12 @@
 """The span recorder of a process (:data:`RECORDER`): pipeline stages report their computation to it, and while a
-step is recorded it hooks the schedules' sends and receives (:mod:`~lightning_mp_lstm.timeline.torch_p2p`)."""
+step is recorded it hooks the schedules' sends and receives (:mod:`~lightning_mp_lstm.timeline.torch_p2p`).
+
+Every span of a step is timed on one clock, the one of the device the process computes on
+(:mod:`~lightning_mp_lstm.timeline.clocks`): the host's on CPU, timing events on CUDA.
+"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -11,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mp_lstm.timeline.record import COMMUNICATION
+from lightning_mp_lstm.faults import object_group
+from lightning_mp_lstm.timeline.clocks import Clock, HostClock, clock_for
 from lightning_mp_lstm.timeline.torch_p2p import P2PHooks
 
 __all__ = ["RECORDER", "LocalSpan", "Recorder"]
@@ -32,35 +36,21 @@ class Recorder:
     def __init__(self) -> None:
         #: Whether a step is being recorded.
         self.active = False
-        self._device: torch.device | None = None
-        self._origin = 0.0
-        self._reference: Any = None
+        self._clock: Clock = HostClock()
+        # Marks are the clock's (floats or events), turned into seconds once the step is over.
         self._raw: list[tuple[Any, ...]] = []
         self._tags: dict[int, _Tag] = {}
-        self._pending: dict[int, tuple[list[_Tag], float]] = {}
+        self._pending: dict[int, tuple[list[_Tag], Any]] = {}
         self._hooks = P2PHooks(self._batch_p2p, self._wait_batch_p2p)
-
-    # ----- clocks ------------------------------------------------------------------------------------------
-    def _mark(self) -> Any:
-        if self._device is not None and self._device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _seconds(self, mark: Any) -> float:
-        if isinstance(mark, float):
-            return mark - self._origin
-        return self._reference.elapsed_time(mark) / 1000.0  # CUDA events: milliseconds after the reference
 
     # ----- what the stages call ----------------------------------------------------------------------------
     @contextmanager
     def _span(self, kind: str, stage: int, microbatch: int) -> Iterator[None]:
-        start = self._mark()
+        start = self._clock.mark()
         try:
             yield
         finally:
-            self._raw.append((kind, stage, microbatch, start, self._mark(), "", None))
+            self._raw.append((kind, stage, microbatch, start, self._clock.mark(), "", None))
 
     def span(self, kind: str, stage: int, microbatch: int) -> AbstractContextManager[None]:
         """A context manager recording ``kind`` work of ``stage`` on ``microbatch`` (nothing when inactive).
@@ -93,7 +83,9 @@ class Recorder:
 
     # ----- what the schedules call, through the hooks ------------------------------------------------------
     def _batch_p2p(self, original: Callable[..., list[Any]], ops: list[Any], desc: str | None) -> list[Any]:
-        issued = time.perf_counter()
+        # On a GPU this mark completes once the stream has run what was queued before the send (the computation
+        # that produced the tensor), which is when the send can start; the host issues it much earlier.
+        issued = self._clock.mark()
         works = original(ops, desc=desc)
         tags = [self._tags.pop(id(op)) for op in ops if id(op) in self._tags]
         for work in works:
@@ -101,40 +93,45 @@ class Recorder:
         return works
 
     def _wait_batch_p2p(self, original: Callable[[list[Any]], Any], works: list[Any]) -> None:
-        start = time.perf_counter()
-        original(works)
-        end = time.perf_counter()
-        seen = set()
+        # One work at a time (what the original does) so that each transfer gets its own marks. On NCCL the wait
+        # returns at once and only makes the current stream wait: the mark after it completes on the device when
+        # the transfer is done.
+        spans: dict[_Tag, list[Any]] = {}
         for work in works:
-            tags, issued = self._pending.pop(id(work), ([], start))
-            for kind, direction, stage, microbatch, peer in tags:
-                if (kind, direction, stage, microbatch) in seen:
-                    continue
-                seen.add((kind, direction, stage, microbatch))
-                # A receive waits for data from the wait's start; a send is in flight from when it was issued.
-                begin = issued if kind == "send" else start
-                self._raw.append((kind, stage, microbatch, begin, end, direction, peer))
+            before = self._clock.mark()
+            original([work])
+            after = self._clock.mark()
+            tags, issued = self._pending.pop(id(work), ([], before))
+            for tag in tags:
+                if tag in spans:  # a batch's works carry all its tags: the span ends with the last of them
+                    spans[tag][1] = after
+                else:
+                    # A receive waits for data from its wait's start; a send is in flight from when it was issued.
+                    spans[tag] = [issued if tag[0] == "send" else before, after]
+        for (kind, direction, stage, microbatch, peer), (begin, end) in spans.items():
+            self._raw.append((kind, stage, microbatch, begin, end, direction, peer))
 
     # ----- a recorded step ---------------------------------------------------------------------------------
     def start(self, device: torch.device) -> None:
         """Begin recording a step; aligns the clock of every rank (a barrier when a process group exists).
 
         Args:
-            device: the device this process computes on.
+            device: the device this process computes on: its clock times every span of the step (timing
+                events on its current stream on CUDA, the host clock on CPU;
+                :func:`~lightning_mp_lstm.timeline.clocks.clock_for`).
 
         Raises:
             UnsupportedTorchError: torch lacks the functions the recorder wraps
                 (:func:`~lightning_mp_lstm.timeline.torch_p2p.require`).
         """
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-        self._device = device
         self._raw, self._tags, self._pending = [], {}, {}
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            self._reference = torch.cuda.Event(enable_timing=True)
-            self._reference.record()
-        self._origin = time.perf_counter()
+        self._clock = clock_for(device)
+        # Idle before the barrier: each rank's clock then starts as the barrier releases it, not after whatever
+        # the device still had to finish.
+        self._clock.wait_idle()
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group=object_group())  # gloo: a host-side barrier, whatever the default backend
+        self._clock.start()
         self._hooks.install()
         self.active = True
 
@@ -146,15 +143,10 @@ class Recorder:
         """
         self.active = False
         self._hooks.remove()
-        if self._device is not None and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        wall = time.perf_counter() - self._origin
+        wall = self._clock.finish()
         spans: list[LocalSpan] = []
         for kind, stage, microbatch, start, end, direction, peer in self._raw:
-            if kind in COMMUNICATION:  # host clock
-                begin, finish = start - self._origin, end - self._origin
-            else:
-                begin, finish = self._seconds(start), self._seconds(end)
+            begin, finish = self._clock.seconds(start), self._clock.seconds(end)
             spans.append((kind, stage, microbatch, begin, max(finish, begin + 1e-6), direction, peer))
         self._raw = []
         return wall, spans
