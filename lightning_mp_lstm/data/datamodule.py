@@ -14,17 +14,13 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_mp_lstm.data.bucketing import (
-    LONG_SENTENCE_POLICIES,
-    BucketBatchSampler,
-    BucketedDataset,
-    ResumableDataLoader,
-    collate_lm,
-    resolve_buckets,
-)
+from lightning_mp_lstm.data.batch import collate_lm
+from lightning_mp_lstm.data.buckets import LONG_SENTENCE_POLICIES, BucketedDataset, resolve_buckets
 from lightning_mp_lstm.data.corpus import SPLITS, read_sentences, resolve_split_paths
 from lightning_mp_lstm.data.download import download_ptb
 from lightning_mp_lstm.data.loop_state import align_restored_fit_loop
+from lightning_mp_lstm.data.resumable import ResumableDataLoader
+from lightning_mp_lstm.data.sampler import BucketBatchSampler
 from lightning_mp_lstm.data.stream import TokenStream
 from lightning_mp_lstm.data.synthetic import DEFAULT_SPLIT_SIZES, SyntheticLanguage
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
@@ -63,14 +59,14 @@ class LMDataModule(pl.LightningDataModule):
     absent or ``None`` means one replica) and the optional
     ``trainer.strategy.data_parallel_weights``. ``batch_size``/``max_tokens``
     bound the *global* batch over all replicas; each replica gets its
-    contiguous share (see :class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler`).
+    contiguous share (see :class:`~lightning_mp_lstm.data.sampler.BucketBatchSampler`).
     Validation and test data are sharded the same way, without shuffling.
     With a trainer attached, :meth:`setup` builds the batch samplers of the
     splits its stage uses, so a batch size or token budget that cannot be
     shared by the replicas fails before training starts.
 
     **Resuming.** The loaders are
-    :class:`~lightning_mp_lstm.data.bucketing.ResumableDataLoader`: Lightning
+    :class:`~lightning_mp_lstm.data.resumable.ResumableDataLoader`: Lightning
     saves the training position (epoch and global batches consumed, as
     counted by its fit loop) in every checkpoint and a resumed ``fit``
     continues with the next batch of the interrupted epoch, also with another
@@ -99,7 +95,7 @@ class LMDataModule(pl.LightningDataModule):
         min_freq: Minimum training frequency of a vocabulary word.
         max_vocab_size: Maximum vocabulary size including special tokens.
         buckets: Bucket lengths, ``"auto"`` (minimal padding, see
-            :func:`~lightning_mp_lstm.data.bucketing.auto_buckets`), or
+            :func:`~lightning_mp_lstm.data.buckets.auto_buckets`), or
             ``None`` (pad to the longest sentence).
         num_auto_buckets: Number of buckets for ``"auto"`` (``None``: 5).
         long_sentence_policy: ``"split"``, ``"truncate"`` or ``"drop"`` for
@@ -251,7 +247,7 @@ class LMDataModule(pl.LightningDataModule):
         ``stage`` uses (``fit``: train and valid; ``validate``: valid;
         ``test``/``predict``: test) for the trainer's data-parallel layout,
         so that an unusable batch size or token budget (see
-        :class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler`) raises
+        :class:`~lightning_mp_lstm.data.sampler.BucketBatchSampler`) raises
         here rather than when its loader is first requested. Each check runs
         once per layout.
 

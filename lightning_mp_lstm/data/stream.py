@@ -6,7 +6,7 @@ batches are consecutive windows of ``bptt`` tokens of every row; the model carri
 from one window to the next (``LSTMLanguageModel(carry_state=True)``).
 
 Each example is one row of one window; window ``k`` is "bucket" ``k`` of length ``len(window k)``, so the
-:class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler` (one global batch per window, no shuffling) shards
+:class:`~lightning_mp_lstm.data.sampler.BucketBatchSampler` (one global batch per window, no shuffling) shards
 rows over data-parallel replicas and saves and restores the position exactly as it does for sentences.
 """
 

@@ -20,7 +20,7 @@ The language is a *hidden-class* language:
   lengths spread roughly from 3 to 60 tokens like natural text and are clipped
   to ``max_length`` tokens (including ``<eos>``).
 
-Language-model convention (shared with :mod:`lightning_mp_lstm.data.bucketing`):
+Language-model convention (shared with :mod:`lightning_mp_lstm.data.batch`):
 a sentence ``[w1 .. wn, <eos>]`` is fed as input ``[<eos>, w1 .. wn]`` with
 target ``[w1 .. wn, <eos>]``, so every word and the end of the sentence are
 predicted given the full sentence prefix. All entropies below are in nats per
