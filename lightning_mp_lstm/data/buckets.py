@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_mp_lstm.validation import check_positive_int
+
 __all__ = ["LONG_SENTENCE_POLICIES", "BucketedDataset", "auto_buckets", "resolve_buckets"]
 
 log = logging.getLogger("lightning_mp_lstm.data")
@@ -40,10 +42,9 @@ def auto_buckets(lengths: Sequence[int] | np.ndarray, num_buckets: int) -> list[
         Sorted bucket lengths.
 
     Raises:
-        ValueError: If ``lengths`` is empty or ``num_buckets < 1``.
+        ValueError: If ``lengths`` is empty or ``num_buckets`` is not a positive integer.
     """
-    if num_buckets < 1:
-        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    check_positive_int("num_buckets", num_buckets)
     arr = np.asarray(lengths, dtype=np.int64)
     if arr.size == 0:
         raise ValueError("cannot choose buckets for an empty list of lengths")

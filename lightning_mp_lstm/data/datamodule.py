@@ -24,6 +24,7 @@ from lightning_mp_lstm.data.sampler import BucketBatchSampler
 from lightning_mp_lstm.data.stream import TokenStream
 from lightning_mp_lstm.data.synthetic import DEFAULT_SPLIT_SIZES, SyntheticLanguage
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
+from lightning_mp_lstm.validation import check_positive_int
 
 __all__ = ["SOURCES", "LMDataModule"]
 
@@ -151,8 +152,7 @@ class LMDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
-        if isinstance(bptt, bool) or not isinstance(bptt, int) or bptt < 1:
-            raise ValueError(f"bptt must be a positive integer, got {bptt!r}")
+        check_positive_int("bptt", bptt)
         if mode == "stream" and (batch_size is None or max_tokens is not None):
             raise ValueError(
                 f"mode='stream' cuts the stream into batch_size rows: give batch_size and no max_tokens "

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from lightning_mp_lstm.validation import check_positive_int
+
 __all__ = ["BucketBatchSampler"]
 
 log = logging.getLogger("lightning_mp_lstm.data")
@@ -128,10 +130,11 @@ class BucketBatchSampler(Sampler[list[int]]):
     ) -> None:
         if batch_size is None and max_tokens is None:
             raise ValueError("give batch_size and/or max_tokens")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"need num_replicas >= 1 and 0 <= rank < num_replicas, got {num_replicas}, {rank}")
+        if batch_size is not None:
+            check_positive_int("batch_size", batch_size)
+        check_positive_int("num_replicas", num_replicas)
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"need 0 <= rank < num_replicas, got rank {rank} of num_replicas {num_replicas}")
         weights = np.ones(num_replicas) if replica_weights is None else np.asarray(replica_weights, dtype=float)
         if weights.shape != (num_replicas,) or not np.all(weights > 0) or not np.all(np.isfinite(weights)):
             raise ValueError(

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_mp_lstm.validation import check_positive_int
+
 __all__ = ["TokenStream"]
 
 
@@ -31,13 +33,13 @@ class TokenStream(Dataset):
         bptt: tokens per window (the last window of an epoch may be shorter).
 
     Raises:
-        ValueError: for ``rows`` or ``bptt`` below 1, or a stream too short for one window of ``rows`` rows.
+        ValueError: for ``rows`` or ``bptt`` not a positive integer, or a stream too short for one window of
+            ``rows`` rows.
     """
 
     def __init__(self, sentences: Sequence[Sequence[int]], eos_id: int, rows: int, bptt: int) -> None:
-        for name, value in (("rows", rows), ("bptt", bptt)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int("rows", rows)
+        check_positive_int("bptt", bptt)
         stream = np.concatenate([np.asarray([eos_id], dtype=np.int64),
                                  *(np.asarray(s, dtype=np.int64) for s in sentences)])
         columns = stream.size // rows

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lightning_mp_lstm.validation import check_positive_int
+
 __all__ = ["DEFAULT_SPLIT_SIZES", "SyntheticLanguage", "synthetic_splits"]
 
 _EOS = "<eos>"
@@ -97,8 +99,7 @@ class SyntheticLanguage:
         max_length: int = 60,
         end_class_strength: float = 0.5,
     ) -> None:
-        if num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        check_positive_int("num_classes", num_classes)
         if vocab_size < num_classes:
             raise ValueError(f"vocab_size ({vocab_size}) must be >= num_classes ({num_classes})")
         if not 2 <= min_length <= max_length:
