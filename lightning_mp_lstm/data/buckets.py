@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 from lightning_mp_lstm.validation import check_positive_int
 
@@ -237,6 +238,7 @@ class BucketedDataset(Dataset):
         """Number of real (non-padding) target tokens of example ``index``."""
         return int(self._lengths[index])
 
+    @override
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.buckets[int(self.bucket_indices[index])]
         o, n = int(self._offsets[index]), int(self._lengths[index])

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_mp_lstm.data.batch import collate_lm
 from lightning_mp_lstm.data.buckets import LONG_SENTENCE_POLICIES, BucketedDataset, resolve_buckets
@@ -214,6 +215,7 @@ class LMDataModule(pl.LightningDataModule):
     def _ptb_download_dir(self) -> Path:
         return Path(self.cache_dir or _DEFAULT_CACHE).expanduser() / "ptb"
 
+    @override
     def prepare_data(self) -> None:
         """Download PTB when ``download=True`` (called by Lightning on one process per node)."""
         if self.download and self.path is None:
@@ -240,6 +242,7 @@ class LMDataModule(pl.LightningDataModule):
         return {split: read_sentences(files[split], fmt=fmt) for split in SPLITS}
 
     # ------------------------------------------------------------------ setup
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Read the corpus and build the vocabulary (idempotent).
 
@@ -419,18 +422,22 @@ class LMDataModule(pl.LightningDataModule):
             consumed=consumed,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled, bucketed training batches (this replica's share)."""
         return self._loader("train", train=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         """Bucketed validation batches in a fixed order."""
         return self._loader("valid", train=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         """Bucketed test batches in a fixed order."""
         return self._loader("test", train=False)
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         """Same as :meth:`test_dataloader` (prediction runs on the test split)."""
         return self._loader("test", train=False)
@@ -505,10 +512,12 @@ class LMDataModule(pl.LightningDataModule):
         return self._unigram_ppl
 
     # ------------------------------------------------------------ checkpoints
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint state: the vocabulary (empty before setup)."""
         return {"vocab": self._vocab.state_dict()} if self._vocab is not None else {}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the vocabulary from a checkpoint; later encoding uses it (the checkpoint's vocabulary is the
         one its model learned, so it replaces one built from the data, with a warning when they differ)."""

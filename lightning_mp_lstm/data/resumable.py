@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_mp_lstm.data.sampler import BucketBatchSampler
 
@@ -85,6 +86,7 @@ class ResumableDataLoader(DataLoader):
             )
         return sampler
 
+    @override
     def __iter__(self) -> Iterator[Any]:
         inner = super().__iter__()
         # Lightning re-creates prediction loaders around a wrapper of the batch sampler: nothing to count then.

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
+from typing_extensions import override
 
 from lightning_mp_lstm.validation import check_positive_int
 
@@ -251,6 +252,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         start = int(counts[: self.rank].sum())
         return batch[start : start + int(counts[self.rank])]
 
+    @override
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: nothing runs before the first batch is requested, so a set_epoch between iter() and
         # next() still applies (Lightning creates the training iterator before it calls set_epoch).

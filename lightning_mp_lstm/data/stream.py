@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 from lightning_mp_lstm.validation import check_positive_int
 
@@ -60,6 +61,7 @@ class TokenStream(Dataset):
     def __len__(self) -> int:
         return int(self.bucket_indices.size)
 
+    @override
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         window, row = divmod(int(index), self.rows)
         start, length = self._starts[window], self.buckets[window]
