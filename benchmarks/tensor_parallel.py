@@ -3,8 +3,8 @@
 Part ``comm`` (2 CPU ranks, gloo): the decoder and its loss for one batch, split by columns (tp2: ``ColwiseParallel``
 + ``loss_parallel``) or replicated (dp2: half the batch each, gradients all-reduced). Every collective's payload is
 counted (:class:`CountCollectives` wraps torch's collective functions while the step runs) and printed next to the
-weight-splitting essay's formula (model_parallelism_blog.txt: "split by the second dimension: stack the outputs forward, add the
-input errors backward"; data parallel: the weight's gradient once).
+weight-splitting essay's formula (model_parallelism_blog.txt: "split by the second dimension: stack the outputs
+forward, add the input errors backward"; data parallel: the weight's gradient once).
 
 Part ``layouts``: ``Trainer.fit`` with ``mp_lstm`` on a large-vocabulary model (default 30,000 words) as tp2, pp2
 and dp2, 2 ranks each: median step time after warm-up and, per rank, the bytes of parameters, gradients and

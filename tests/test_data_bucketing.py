@@ -285,15 +285,6 @@ def test_padding_does_not_change_the_loss() -> None:
     assert (padded_loss / n_real).item() == pytest.approx(total / count, rel=1e-5)
 
 
-def test_old_import_path_and_package_export_the_same_objects() -> None:
-    import lightning_mp_lstm.data as package
-    import lightning_mp_lstm.data.bucketing as old
-
-    for name in old.__all__:
-        assert getattr(old, name) is getattr(package, name), name
-    assert not hasattr(package, "pad_batch_rows")  # the model pads rows itself (pad_rows)
-
-
 # ------------------------------------------------------- global batches every replica can share
 @pytest.mark.timeout(10)  # the old sampler looped forever in _split_counts
 def test_global_batch_smaller_than_replicas_raises_instead_of_hanging() -> None:
