@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_mp_lstm.checkpoint.files import AtomicCheckpointIO, CheckpointError, read_checkpoint
 
@@ -89,13 +90,20 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, param_grou
     on_rank_zero(finish)
 
 
+def _empty_like(value: torch.Tensor) -> torch.Tensor:
+    """A template to read ``value``'s entry into: a ``DTensor`` keeps its device (its mesh's: a CPU local tensor
+    on a CUDA mesh is not a valid DTensor), a plain tensor is read onto the CPU."""
+    return torch.empty_like(value) if isinstance(value, DTensor) else torch.empty_like(value, device="cpu")
+
+
 def load_sharded(
     path: str | os.PathLike, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
     aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Read a sharded checkpoint directory: everything but the tensors, and the tensors of ``model``'s parameters
     (this process's blocks) and of their optimizer state. Returns a Lightning checkpoint dictionary with this
-    process's tensors only (optimizer state as whole tensors); every rank calls it.
+    process's tensors only (model entries as ``model`` holds them: shards of its ``DTensor`` parameters; optimizer
+    state as whole tensors); every rank calls it.
 
     The optimizer entries to read are the ones the directory holds for this process's parameters (a tied weight's
     copy under its first name, see :class:`~lightning_mp_lstm.checkpoint.ModelNames`), not a template from the live
@@ -116,7 +124,7 @@ def load_sharded(
         stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     except Exception as error:  # noqa: BLE001  (a damaged directory)
         raise CheckpointError(f"sharded checkpoint {directory} cannot be read: {error}") from error
-    tensors: dict[str, Any] = {"model": {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()
+    tensors: dict[str, Any] = {"model": {k: _empty_like(v) for k, v in model.state_dict().items()
                                          if f"model.{k}" in stored}}
     aliases = aliases or {}
     names = [aliases.get(n, n) for n, _ in model.named_parameters()]
