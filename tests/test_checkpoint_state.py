@@ -93,6 +93,12 @@ def test_loading_optimizer_state_names_parameters_the_checkpoint_lacks_and_accep
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # no state tensors at all
     load_optimizer_state(sgd, model, optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1), model))
     assert not sgd.state
+    # ... into an optimizer over a pruned model's parameters, with the checkpoint's hyperparameters.
+    pruned = _pruned(tiny_model(), ["lstm.1", "decoder"])
+    sgd = torch.optim.SGD(pruned.parameters(), lr=0.1)
+    load_optimizer_state(sgd, pruned, optimizer_state(torch.optim.SGD(model.parameters(), lr=0.25), model))
+    assert not sgd.state and sgd.param_groups[0]["lr"] == 0.25
+    assert sgd.param_groups[0]["params"] == list(pruned.parameters())
 
 
 def test_generation_names_the_file_whose_tensors_do_not_fit(tmp_path):

@@ -177,6 +177,15 @@ def load_optimizer_state(
     missing = [name_of[id(p)] for p in params if name_of[id(p)] not in listed]
     if missing:
         raise CheckpointError(f"the checkpoint's optimizer state has no entry for parameters {missing}")
+    if not entries:
+        # torch takes a state without entries for a positional one (its _split_optim_state_dict tests
+        # all(isinstance(k, int) for k in state), true of none) and loads the whole model's groups into the pruned
+        # optimizer's; so the groups of a state-less checkpoint (SGD, or saved before the first step) are cut here.
+        group_of = {n: g for g in groups for n in g["params"]}
+        optimizer.load_state_dict({"state": {}, "param_groups": [
+            {**group_of[name_of[id(g["params"][0])]], "params": [name_of[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups]})
+        return
     # full_state_dict=True cuts whole tensors into DTensor shards; torch needs state tensors to do it (it asserts on
     # an optimizer without any, such as SGD without momentum). strict=False: a parameter without saved state
     # (never stepped) starts without state, as with optimizer.load_state_dict.
