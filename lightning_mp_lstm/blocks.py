@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 __all__ = ["DecoderBlock", "EmbeddingBlock", "LSTMLayerBlock", "LayerwiseLSTM", "lstm_layer_names"]
 
@@ -75,6 +76,7 @@ class LayerwiseLSTM(nn.Module):
         return [torch.empty(size, device=device).uniform_(-bound, bound)
                 for size in _lstm_sizes(layer, self.input_size, self.hidden_size)]
 
+    @override
     def extra_repr(self) -> str:
         return f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, layers held={self.layers()}"
 
@@ -115,6 +117,7 @@ class EmbeddingBlock(nn.Module):
         self.embedding = embedding
         self.dropout = dropout
 
+    @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
         return self.dropout(x) if self.dropout is not None else x
@@ -146,6 +149,7 @@ class LSTMLayerBlock(nn.Module):
             if self._parameters.get(name) is not weight:
                 self.register_parameter(name, weight)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = self.carried.get(self.slot) if self.slot is not None else None
         if state is not None and state[0].shape[1] != x.shape[0]:
@@ -169,6 +173,7 @@ class DecoderBlock(nn.Module):
         self.decoder = decoder
         self.dropout = dropout
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.dropout(x) if self.dropout is not None else x)
 
