@@ -8,6 +8,7 @@
   (``faults.setup_object_group``), never to the default group (which would stage pickles in GPU memory);
 * the NCCL-only branches, with a mocked backend name or device: the barrier's device ids, the device mesh's
   timeout options (and which mesh dimensions get a group of their own), a stage's CUDA random stream;
+* the stage cache (one stage + schedule, with its receive buffers, per batch shape and mode) stays bounded;
 * the layout advice refuses a CUDA device, saying what to use instead.
 
 The multi-process guards (tensor-factory tripwire, ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` collective checks, the object
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import types
 import warnings
+from collections import OrderedDict
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -35,10 +37,26 @@ from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm import strategy as strategy_module
 from lightning_mp_lstm.advice import Calibration, advise, calibrate
 from lightning_mp_lstm.declaration import pipeline_model
-from lightning_mp_lstm.engine import split_model
+from lightning_mp_lstm.engine import PipelineEngine, split_model
 from lightning_mp_lstm.layout import ParallelLayout, _timeout_options
 from lightning_mp_lstm.stages import StageRandomness
 from tests.helpers import FixedBatches, quiet_trainer, tiny_model
+
+
+# ----- the stage cache is bounded ------------------------------------------------------------------------------
+def test_the_stage_cache_keeps_the_most_recently_used_shapes_only(monkeypatch):
+    """Each cached stage holds its microbatches' receive buffers (GPU memory on a GPU); ragged batches, token budgets
+    and three modes would otherwise add one per distinct shape for the whole run."""
+    engine = PipelineEngine.__new__(PipelineEngine)  # only the cache: no model, no process group
+    engine.__dict__.update(max_cached_shapes=3, _schedules=OrderedDict())
+    built = []
+    monkeypatch.setattr(engine, "_build_schedule", lambda with_loss: built.append(with_loss) or object(),
+                        raising=False)
+    for rows in (8, 7, 6, 8, 5, 4):  # 8 again before it is the oldest: kept, not rebuilt
+        engine._schedule(torch.Size([rows, 9]), "train")
+    engine._schedule(torch.Size([8, 9]), "predict")
+    assert len(built) == 6
+    assert engine.cached_shapes == [(4, 9, "train"), (5, 9, "train"), (8, 9, "predict")]
 
 
 # ----- teardown keeps devices --------------------------------------------------------------------------------

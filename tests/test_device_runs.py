@@ -16,6 +16,8 @@ deadline that kills them:
   (``all_gather_object``, ``broadcast_object_list``, ``send_object_list``, ``recv_object_list``) is recorded with
   its group and who asked: the library's must use the gloo object groups, never a training group;
 * **mesh timeouts**: every mesh group that communicates has the strategy's timeout;
+* **groups made once**: a second ``fit`` (pp2 with tied weights across its stages), ``validate``, ``predict`` and a
+  save make no process group;
 * **sends apart from collectives**: after the dp2 x pp2 run, a checkpoint gathered on rank 0 (three receives, one
   send per other rank) leaves the object group's collectives in step under DETAIL.
 
@@ -121,6 +123,27 @@ class ObjectTraffic:
         return recorded
 
 
+class NewGroups:
+    """Records every ``dist.new_group`` call (its ranks, and who asked) while active."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, str]] = []
+        self._saved: Any = None
+
+    def __enter__(self) -> NewGroups:
+        self._saved = original = dist.new_group
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((kwargs.get("ranks", args[0] if args else None), _asker(sys._getframe(1))))
+            return original(*args, **kwargs)
+
+        dist.new_group = recorded
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.new_group = self._saved
+
+
 def _asker(frame: Any) -> str:
     """Who made an object call: torch's own file when torch made it, else the first library frame outside
     ``faults.py`` (the caller of ``faults.gather``, ``result_from``...)."""
@@ -166,6 +189,9 @@ RUNS: dict[str, tuple[int, dict[str, Any]]] = {
     "tp2": (2, dict(tensor_parallel_size=2, pipeline_parallel_size=1, n_microbatches=2)),
     "dp2xpp2": (4, dict(data_parallel_size=2, pipeline_parallel_size=2, schedule="GPipe", n_microbatches=2)),
 }
+#: Model options of a run (default: the tiny model): pp2's embedding and decoder share their weight across its two
+#: stages, so the run has a tied-weight process group.
+MODELS: dict[str, dict[str, Any]] = {"pp2": dict(embedding_dim=8, hidden_size=8, tie_weights=True)}
 DEADLINE = 150.0  # seconds for all the runs of one set of processes; ranks still alive then are killed
 
 
@@ -181,13 +207,16 @@ def _run(name: str, world_size: int, directory: str) -> dict[str, Any]:
                          callbacks=[PipelineTimeline(steps=[1], directory=str(Path(directory, name)))])
     with tripwire, traffic:
         with trainer.init_module(empty_init=True):  # on the meta device: the strategy materializes each rank's blocks
-            model = tiny_model(vocab=38)  # 38: the tensor-parallel split needs an even vocabulary
+            model = tiny_model(vocab=38, **MODELS.get(name, {}))  # 38: tensor parallelism needs an even vocabulary
         data = FixedBatches()
         trainer.fit(model, datamodule=data)
-        trainer.validate(model, datamodule=data, verbose=False)
-        predictions = trainer.predict(model, datamodule=data)
-        trainer.save_checkpoint(Path(directory) / f"{name}.ckpt")
+        with NewGroups() as later:  # every group exists after the first fit
+            trainer.fit(model, datamodule=data)  # max_steps reached: sets up again, trains nothing
+            trainer.validate(model, datamodule=data, verbose=False)
+            predictions = trainer.predict(model, datamodule=data)
+            trainer.save_checkpoint(Path(directory) / f"{name}.ckpt")
     result = {"tripwire": tripwire.found, "objects": traffic.calls, "steps": trainer.global_step,
+              "later_groups": later.calls, "tied_groups": len(strategy.engine.tied.shared),
               "predicted_rows": int(predictions[0]["mask"].shape[0]),
               "debug_level": str(dist.get_debug_level()) if dist.is_initialized() else None,
               "checking_wrapper": dist.is_initialized() and type(
@@ -283,6 +312,17 @@ def test_every_mesh_group_that_communicates_has_the_strategy_timeout(runs, name)
         for dim, (size, seconds) in result["mesh"].items():
             if size > 1:
                 assert seconds == TIMEOUT, (rank, dim, seconds)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", [name for name, (world, _) in RUNS.items() if world > 1])
+def test_no_process_group_is_made_after_the_first_fit(runs, name):
+    """On NCCL every new group splits communicators that are never freed: the mesh, the object groups and the tied
+    weights' groups are made once per strategy, not again by a second ``fit``, ``validate``, ``predict`` or a save."""
+    for rank, result in enumerate(runs(name)):
+        assert result["later_groups"] == [], (rank, result["later_groups"])
+    if name == "pp2":
+        assert [result["tied_groups"] for result in runs(name)] == [1, 1]  # the embedding's and decoder's copies
 
 
 def _mesh_shape(options: dict[str, Any]) -> tuple[int, int, int]:

@@ -171,9 +171,9 @@ def _to_cpu(obj: Any) -> Any:
 def gather_to_rank_zero(local: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Gather one picklable dict per process on global rank 0 (``None`` on the other ranks).
 
-    Tensors travel on CPU, whatever the device, over the object group (gloo,
-    :func:`~lightning_mp_lstm.faults.point_to_point_group`); without a process group the list holds ``local`` only. Rank 0
-    receives one rank at a time and unpickles it before the next, so it holds every rank's tensors once plus one
+    Tensors travel on CPU, whatever the device, over the rank-to-rank object group (gloo,
+    :func:`~lightning_mp_lstm.faults.point_to_point_group`); without a process group the list holds ``local`` only.
+    Rank 0 receives one rank at a time and unpickles it before the next, so it holds every rank's tensors once plus one
     rank's serialized bytes, not all of them twice (what ``gather_object`` needs).
     """
     local = _to_cpu(local)
