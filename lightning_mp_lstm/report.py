@@ -6,6 +6,7 @@ The plan (:class:`~lightning_mp_lstm.plan.PipelinePlan`) is never changed; measu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,26 @@ class Measurements:
 
     stage_seconds: tuple[float, ...] | None = None
     step_seconds: float | None = None
+
+
+class StepClock:
+    """The start times of the first ``after_steps + 1`` training batches (``None``: never measure)."""
+
+    def __init__(self, after_steps: int | None) -> None:
+        self.after_steps = after_steps
+        self.starts: list[float] = []
+
+    def tick(self) -> bool:
+        """Record a batch's start; ``True`` once, at the start that completes ``after_steps`` intervals."""
+        if self.after_steps is None or len(self.starts) > self.after_steps:
+            return False
+        self.starts.append(time.perf_counter())
+        return len(self.starts) == self.after_steps + 1
+
+    @property
+    def intervals(self) -> list[float]:
+        """The start times without the first batch's: its interval includes building the stages for new shapes."""
+        return self.starts[1:]
 
 
 def measure(engine: Any, batch: Any, device: torch.device, step_starts: Sequence[float]) -> Measurements:

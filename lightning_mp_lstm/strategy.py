@@ -5,28 +5,26 @@ processes, the accelerator picks device and backend (gloo on CPU, nccl on CUDA),
 are Lightning's. The strategy is plumbing: it asks the module for its declaration
 (:func:`~lightning_mp_lstm.declaration.pipeline_model`), plans the partition once
 (:func:`~lightning_mp_lstm.plan.make_plan`), and owns the :class:`~lightning_mp_lstm.engine.PipelineEngine` that
-runs every training, evaluation and prediction batch; its step methods are thin calls into it, and
-:class:`~lightning_mp_lstm.precision.PipelinePrecision` plugs the gradient reductions and the global-norm clip into
-Lightning's optimizer step. The module never holds the engine.
+runs every training, evaluation and prediction batch; :class:`~lightning_mp_lstm.precision.PipelinePrecision`
+plugs the gradient reductions and the global-norm clip into Lightning's optimizer step. The module never holds the
+engine. Three families of Lightning hooks live in their own modules, each a thin call into one collaborator: the
+steps (:mod:`~lightning_mp_lstm.steps`, into the engine), the checkpoint hooks
+(:mod:`~lightning_mp_lstm.checkpoint.hooks`, into the checkpoint format) and the collectives
+(:mod:`~lightning_mp_lstm.collectives`); setting up a run is :mod:`~lightning_mp_lstm.pipeline_setup`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -34,28 +32,30 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm import report
-from lightning_mp_lstm.contract import PipelineModel, check_data
+from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
+from lightning_mp_lstm.collectives import StrategyCollectives
+from lightning_mp_lstm.contract import PipelineModel
 from lightning_mp_lstm.declaration import pipeline_model
-from lightning_mp_lstm.engine import PipelineEngine, ProcessGroups, build_engine
-from lightning_mp_lstm.faults import PeerDirectory, object_group, setup_object_group
+from lightning_mp_lstm.engine import PipelineEngine
+from lightning_mp_lstm.faults import PeerDirectory
 from lightning_mp_lstm.launcher import JobLauncher
 from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.metrics import LanguageModelMetrics
 from lightning_mp_lstm.options import ProcessOptions
-from lightning_mp_lstm.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
-from lightning_mp_lstm.precision import REFUSED_PRECISIONS, PipelinePrecision, set_numerics
-from lightning_mp_lstm.tied import TiedWeights, shared_parameter_aliases
+from lightning_mp_lstm.pipeline_setup import assemble_engine, check_run, plan_run, start_process_groups
+from lightning_mp_lstm.plan import PipelinePlan, PlanOptions
+from lightning_mp_lstm.precision import PipelinePrecision, set_numerics
+from lightning_mp_lstm.steps import PipelineSteps
 
 __all__ = ["MPLSTMStrategy"]
 
 
-class MPLSTMStrategy(ParallelStrategy):
+class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, ParallelStrategy):
     """Split an LSTM language model into pipeline stages across processes.
 
     ``Trainer(strategy="mp_lstm", devices=4)`` runs a 4-stage pipeline of any LightningModule that declares its
@@ -132,7 +132,6 @@ class MPLSTMStrategy(ParallelStrategy):
         self._process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
                                        data_parallel_weights, stages_per_rank, schedule, checkpoint_format,
                                        timeout, num_threads, numerics)
-        self._report_after_steps = report_after_steps
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self._layout: ParallelLayout | None = None
@@ -142,11 +141,9 @@ class MPLSTMStrategy(ParallelStrategy):
         self._engine_module: Any = None
         self._metrics = LanguageModelMetrics()
         self._measurements: report.Measurements | None = None
-        self._batch_start_times: list[float] = []
+        self._step_clock = report.StepClock(report_after_steps)
         self._peers: PeerDirectory | None = None
-        self._full_state_keys: list[str] | None = None
-        self._full_parameter_names: list[str] | None = None
-        self._aliases: dict[str, str] = {}
+        self._model_names = ckpt.ModelNames()
         self._checkpoints = ckpt.checkpoint_format(self._process.checkpoint_format)
         if self._process.fixed_world_size is not None:
             self._resolve_layout(self._process.fixed_world_size)
@@ -327,16 +324,9 @@ class MPLSTMStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device)
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        timeout = self._process.timeout
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=timeout,
-                              device_id=device_id)
         if self._device_mesh is None:
-            self._device_mesh = layout.build_mesh(self.root_device.type, self._process_group_backend, timeout)
-        if _distributed_is_initialized():
-            if self._peers is None:
-                setup_object_group()
-                self._peers = PeerDirectory.gather()
+            self._device_mesh, self._peers = start_process_groups(
+                self.cluster_environment, self._process_group_backend, self.root_device, layout, self._process.timeout)
 
     def check(self, model: pl.LightningModule, datamodule: Any = None, fitting: bool = True) -> None:
         """Check that this strategy can run ``model`` on ``datamodule``'s batches, without starting anything.
@@ -351,35 +341,8 @@ class MPLSTMStrategy(ParallelStrategy):
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
             LayoutError: ``n_microbatches`` does not fit the batch.
         """
-        blocks = self._blocks(model)
-        precision = self.precision_plugin.precision
-        if self.precision_plugin.scaler is not None or precision in REFUSED_PRECISIONS:
-            raise ValueError(f"precision={precision!r} (float16) is not supported: the pipeline runs backward itself, "
-                             "without a loss scaler, on a loss divided by the global token count; use "
-                             "precision='32-true', 'bf16-mixed' (LSTMs in float32) or 'bf16-true'")
-        layout, options = self.layout, self._options
-        options.check(blocks.block_names, layout)
-        if layout.tensor_parallel_size > 1:
-            if not hasattr(blocks, "parallelize_vocabulary"):
-                raise TypeError(f"tensor_parallel_size={layout.tensor_parallel_size} needs a model that splits its "
-                                f"vocabulary layers (parallelize_vocabulary(mesh)); {type(model).__name__}'s has none")
-            check = getattr(blocks, "check_tensor_parallel", None)
-            if check is not None:
-                check(layout.tensor_parallel_size)
-        if self._plan is not None:
-            return  # planned at fit: validate/test/predict keep the plan
-        measured = options.partition == "balanced" and options.balance_by == "time"
-        if measured or options.auto_microbatches:
-            check_data(datamodule, "partition='balanced' with balance_by='time'" if measured
-                       else "n_microbatches='auto'")
-        if options.auto_microbatches:
-            microbatch_candidates(layout, self._replica_rows(datamodule), options.max_microbatches)
-        elif fitting:
-            self._process.check_batch(layout, datamodule)
-
-    def _replica_rows(self, datamodule: Any) -> int:
-        rows = getattr(datamodule, "batch_size", None) or 32
-        return max(1, int(rows) // self.layout.data_parallel_size)
+        check_run(self._blocks(model), type(model).__name__, self.precision_plugin, self.layout, self._options,
+                  self._process, datamodule, planned=self._plan is not None, fitting=fitting)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -411,177 +374,26 @@ class MPLSTMStrategy(ParallelStrategy):
         blocks = pipeline_model(module)
         self._metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"))
         if self._plan is None:
-            self._plan = self._make_plan(blocks, trainer)
+            self._plan = plan_run(blocks, self.layout, self._options, trainer.datamodule, self.precision_plugin,
+                                  self.root_device)
             if trainer.state.fn == TrainerFn.FITTING:
                 rank_zero_info(f"mp_lstm: {self._plan.layout}\npartition (costs by {self._plan.cost_kind}):\n"
                                f"{self.report}")
-        if self._full_state_keys is None:  # the whole model, before pruning (meta tensors are fine)
-            self._full_state_keys = list(module.state_dict())
-            self._full_parameter_names = [name for name, _ in module.named_parameters()]
-            self._aliases = shared_parameter_aliases(module)
-        plan, mesh = self._plan, self.device_mesh
-        engine = build_engine(blocks, plan.layout, plan.partition, self.pipeline_rank, self.data_parallel_rank,
-                              ProcessGroups.of(mesh), self.root_device, seed=torch.initial_seed())
-        if plan.layout.tensor_parallel_size > 1:
-            blocks.parallelize_vocabulary(mesh["tensor_parallel"])
-        engine.tied = TiedWeights.build(module, self._aliases, plan.layout)  # after pruning: who holds which copy
-        return engine
-
-    def _make_plan(self, blocks: PipelineModel, trainer: pl.Trainer) -> PipelinePlan:
-        datamodule = trainer.datamodule
-        length = getattr(datamodule, "mean_padded_length", None) or 35
-        rows = self._replica_rows(datamodule)
-        precision = self.precision_plugin  # blocks timed in the dtypes they will train in
-        with precision.tensor_init_context(), precision.forward_context():
-            return make_plan(blocks, self.layout, self._options, rows, max(1, round(length)), self.root_device)
+        if self._model_names.state_keys is None:  # the whole model, before pruning
+            self._model_names = ckpt.ModelNames.of(module)
+        return assemble_engine(module, blocks, self._plan, self.device_mesh, self.global_rank, self.root_device,
+                               dict(self._model_names.aliases))
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ----- the steps: thin calls into the engine ---------------------------------------------------------
-    @override
-    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        """Run the batch forward and backward through the pipeline (the gradients wait in the precision plugin for
-        Lightning's ``backward``); log and return its loss."""
-        trainer = self.lightning_module.trainer
-        with self.precision_plugin.train_step_context():
-            result = self.engine.forward_backward(batch, accumulation=trainer.accumulate_grad_batches)
-        self.engine.check_finite(result.loss, f"global step {trainer.global_step} (epoch {trainer.current_epoch}, "
-                                              f"batch_idx {batch_idx})")
-        self._metrics.log(self.lightning_module, "train", result.loss, result.tokens, _rows(batch))
-        return result.loss
-
-    @override
-    def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        return self._evaluate(batch, "val", self.precision_plugin.val_step_context())
-
-    @override
-    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        return self._evaluate(batch, "test", self.precision_plugin.test_step_context())
-
-    def _evaluate(self, batch: Any, split: str, context: Any) -> Tensor:
-        with context:
-            result = self.engine.evaluate(batch)
-        self._metrics.log(self.lightning_module, split, result.loss, result.tokens, _rows(batch))
-        return result.loss
-
-    @override
-    def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
-        """The model's predictions of the batch (for a language model: per-token target log-probabilities,
-        next-token ids and the target mask), identical on every rank."""
-        with self.precision_plugin.predict_step_context():
-            return self.engine.predict(batch)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if batch_idx == 0:  # a new epoch: the stream starts again
-            self.engine.reset_state("train")
-            self._metrics.start_epoch()
-        if self._report_after_steps is not None and len(self._batch_start_times) <= self._report_after_steps:
-            self._batch_start_times.append(time.perf_counter())
-            if len(self._batch_start_times) == self._report_after_steps + 1:
-                self._measure(batch)
-
-    @override
-    def on_validation_start(self) -> None:
-        self.engine.reset_state("eval")
-
-    @override
-    def on_test_start(self) -> None:
-        self.engine.reset_state("eval")
-
-    @override
-    def on_predict_start(self) -> None:
-        self.engine.reset_state("eval")
-
-    def _measure(self, batch: Any) -> None:
-        """Time every stage on its own process at this batch's microbatch shape; report on rank 0."""
-        # Skip the first interval: it includes building the stages for new shapes.
-        with self.precision_plugin.forward_context():
-            self._measurements = report.measure(self.engine, batch, self.root_device, self._batch_start_times[1:])
-        rank_zero_info(f"mp_lstm partition after {self._report_after_steps} steps:\n{self.report}")
-
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that failed when this rank's error is only the symptom of losing it."""
         if self._peers is not None:
             self._peers.explain(exception)
-
-    # ----- collectives -----------------------------------------------------------------------------------
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=object_group())
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def block_backward_sync(self) -> Any:
-        return nullcontext()
-
-    # ----- checkpoints: delegated to the format (checkpoint.FileFormat or checkpoint.ShardedFormat) ---------------
-    @property
-    def _model_names(self) -> ckpt.ModelNames:
-        """The whole model's names, recorded before pruning: what a checkpoint holds."""
-        return ckpt.ModelNames(self._full_state_keys, self._full_parameter_names, self._aliases)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """One file: the full model's state dict on global rank 0 (empty elsewhere), gathered from all stages.
-        Sharded: this process's own tensors (nothing is gathered)."""
-        return self._checkpoints.model_state(self.lightning_module, self._model_names)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Name-keyed optimizer state: of every stage, merged on global rank 0 (one file), or this process's
-        (sharded)."""
-        return self._checkpoints.optimizer_state(self.lightning_module, optimizer, self._model_names)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """One file: written on global rank 0, atomically (see
-        :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`). Sharded: a directory every rank writes its own
-        tensors to (:func:`~lightning_mp_lstm.checkpoint.save_sharded`). A failed write fails every rank."""
-        self._checkpoints.save(checkpoint, filepath, self.checkpoint_io, self._model_names, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a checkpoint on every rank (one file or a sharded directory, whichever format wrote it); a truncated
-        or foreign file gets a message naming it."""
-        return self._checkpoints.load(checkpoint_path, self.lightning_module, self.optimizers, self.checkpoint_io,
-                                      weights_only, self._model_names)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove a checkpoint (a file or a sharded directory) on global rank 0."""
-        if self.is_global_zero:
-            self._checkpoints.remove(filepath, self.checkpoint_io)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        self._checkpoints.load_model_state(self.lightning_module, checkpoint, strict, self._model_names)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        self._checkpoints.load_optimizer_state(self.lightning_module, self.optimizers, checkpoint, self._model_names)
 
     @override
     def teardown(self) -> None:
@@ -610,7 +422,3 @@ class MPLSTMStrategy(ParallelStrategy):
             strategy_registry.register(cls.strategy_name, cls, override=True,
                                        description="pipeline (x data x tensor) parallel training of LSTM models")
 
-
-def _rows(batch: Any) -> int:
-    """Sequences in this replica's batch (for Lightning's logging weights)."""
-    return int(batch[0].shape[0])

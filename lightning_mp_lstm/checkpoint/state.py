@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_mp_lstm.checkpoint.files import CheckpointError
+from lightning_mp_lstm.tied import shared_parameter_aliases
 
 __all__ = [
     "ModelNames",
@@ -58,6 +59,12 @@ class ModelNames:
     state_keys: Sequence[str] | None = None
     parameter_names: Sequence[str] | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ModelNames:
+        """The names of ``module`` as it is now (whole; meta tensors are fine)."""
+        return cls(list(module.state_dict()), [name for name, _ in module.named_parameters()],
+                   shared_parameter_aliases(module))
 
 
 def model_state(module: nn.Module, full: bool) -> dict[str, Any]:

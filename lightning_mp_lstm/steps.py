@@ -1,0 +1,87 @@
+"""The step hooks of Lightning's ``Strategy`` for a pipeline: ``MPLSTMStrategy`` takes them from
+:class:`PipelineSteps`. Each runs the batch through the engine under the precision plugin's context and logs what
+the declaration names; the module's own ``*_step`` methods are not called."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mp_lstm import report
+from lightning_mp_lstm.engine import PipelineEngine
+from lightning_mp_lstm.metrics import LanguageModelMetrics
+from lightning_mp_lstm.precision import PipelinePrecision
+
+__all__ = ["PipelineSteps"]
+
+
+class PipelineSteps:
+    """Lightning's training, validation, test and prediction steps and the hooks that start an epoch or an
+    evaluation, mixed into a Lightning ``Strategy`` that gives the engine, the precision plugin, the metrics and the
+    step clock (:class:`~lightning_mp_lstm.report.StepClock`) of the report after the first steps."""
+
+    engine: PipelineEngine
+    precision_plugin: PipelinePrecision
+    lightning_module: Any
+    root_device: Any
+    report: str
+    _metrics: LanguageModelMetrics
+    _step_clock: report.StepClock
+    _measurements: report.Measurements | None
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the batch forward and backward through the pipeline (the gradients wait in the precision plugin for
+        Lightning's ``backward``); log and return its loss."""
+        trainer = self.lightning_module.trainer
+        with self.precision_plugin.train_step_context():
+            result = self.engine.forward_backward(batch, accumulation=trainer.accumulate_grad_batches)
+        self.engine.check_finite(result.loss, f"global step {trainer.global_step} (epoch {trainer.current_epoch}, "
+                                              f"batch_idx {batch_idx})")
+        self._metrics.log(self.lightning_module, "train", result.loss, result.tokens, _rows(batch))
+        return result.loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        return self._evaluate(batch, "val", self.precision_plugin.val_step_context())
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        return self._evaluate(batch, "test", self.precision_plugin.test_step_context())
+
+    def _evaluate(self, batch: Any, split: str, context: Any) -> Tensor:
+        with context:
+            result = self.engine.evaluate(batch)
+        self._metrics.log(self.lightning_module, split, result.loss, result.tokens, _rows(batch))
+        return result.loss
+
+    @override
+    def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """The model's predictions of the batch (for a language model: per-token target log-probabilities,
+        next-token ids and the target mask), identical on every rank."""
+        with self.precision_plugin.predict_step_context():
+            return self.engine.predict(batch)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:  # a new epoch: the stream starts again
+            self.engine.reset_state("train")
+            self._metrics.start_epoch()
+        if self._step_clock.tick():  # time every stage on its own process at this batch's shape; report on rank 0
+            with self.precision_plugin.forward_context():
+                self._measurements = report.measure(self.engine, batch, self.root_device, self._step_clock.intervals)
+            rank_zero_info(f"mp_lstm partition after {self._step_clock.after_steps} steps:\n{self.report}")
+
+    @override
+    def on_validation_start(self) -> None:
+        self.engine.reset_state("eval")
+
+    on_test_start = on_predict_start = on_validation_start  # every evaluation starts the stream again
+
+
+def _rows(batch: Any) -> int:
+    """Sequences in this replica's batch (for Lightning's logging weights)."""
+    return int(batch[0].shape[0])
