@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import LSTMBlocks, LSTMLanguageModel, MPLSTMStrategy, faults, layout
+from lightning_mp_lstm import LSTMBlocks, LSTMLanguageModel, MPLSTMStrategy, collectives, faults, layout
 from lightning_mp_lstm import advice as advice_module
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm import strategy as strategy_module
@@ -242,7 +242,7 @@ def test_under_gloo_collectives_use_the_default_group_and_sends_their_own(monkey
 def test_the_barrier_names_this_process_device_under_nccl(monkeypatch):
     calls = []
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, parallel_devices=[torch.device("cuda", 3)])
-    monkeypatch.setattr(strategy_module, "_distributed_is_initialized", lambda: True)
+    monkeypatch.setattr(collectives, "_distributed_is_initialized", lambda: True)
     monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     strategy.barrier()

@@ -39,8 +39,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import lightning_mp_lstm
-from lightning_mp_lstm import MPLSTMStrategy, faults
-from lightning_mp_lstm import strategy as strategy_module
+from lightning_mp_lstm import MPLSTMStrategy, faults, pipeline_setup
 from lightning_mp_lstm.layout import MESH_DIMS
 from lightning_mp_lstm.timeline import PipelineTimeline
 from tests.helpers import FixedBatches, run_ranks, tiny_model
@@ -198,7 +197,7 @@ DEADLINE = 150.0  # seconds for all the runs of one set of processes; ranks stil
 def _run(name: str, world_size: int, directory: str) -> dict[str, Any]:
     """One instrumented run on this rank (or in this process): fit 2 steps, validate, predict, save."""
     options = RUNS[name][1]
-    strategy_module.setup_object_group = _setup_object_group_as_under_nccl
+    pipeline_setup.setup_object_group = _setup_object_group_as_under_nccl
     tripwire, traffic = DeviceTripwire(), ObjectTraffic()
     strategy = MPLSTMStrategy(report_after_steps=1, timeout=TIMEOUT, **options)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=2, limit_val_batches=1,
@@ -252,12 +251,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
             names = [other for other, (size, _) in RUNS.items() if size == world]
             if world == 1:
                 threads = torch.get_num_threads()
-                setup = strategy_module.setup_object_group
+                setup = pipeline_setup.setup_object_group
                 try:
                     torch.set_num_threads(1)
                     per_name = {other: [_run(other, 1, directory)] for other in names}
                 finally:
-                    strategy_module.setup_object_group, _ = setup, torch.set_num_threads(threads)
+                    pipeline_setup.setup_object_group, _ = setup, torch.set_num_threads(threads)
             else:
                 per_rank = run_ranks(_run_on_ranks, world, names, directory, timeout=DEADLINE)
                 per_name = {other: [result[other] for result in per_rank] for other in names}
