@@ -1,6 +1,7 @@
 """What runs on the ranks of ``benchmarks/run.py``: several jobs one after another in the same fresh processes.
 
-A job is a dictionary (:mod:`benchmarks.specs` writes them) whose ``kind`` picks what a rank runs: ``fit`` (one
+A job is a dictionary (:mod:`benchmarks.specs` writes them; ``run.py`` adds its ``device``, ``cpu`` or ``cuda``)
+whose ``kind`` picks what a rank runs: ``fit`` (one
 ``Trainer.fit`` with ``MPLSTMStrategy``), ``advice`` (``lightning_mp_lstm.advice``), ``overhead``
 (``benchmarks/strategy_overhead.py``) or ``memory`` (``benchmarks/memory.py``). Only public library names are used.
 """
@@ -110,7 +111,8 @@ def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
         timeline = PipelineTimeline(steps=job["timeline"], directory=scratch) if job.get("timeline") else None
         if timeline is not None:
             callbacks.append(timeline)
-        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=job["batches"],
+        trainer = pl.Trainer(strategy=strategy, accelerator=job.get("device", "cpu"), devices=world_size,
+                             max_steps=job["batches"],
                              max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
                              gradient_clip_val=CLIP, callbacks=callbacks)
@@ -181,7 +183,7 @@ def memory_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any
     from benchmarks import memory
 
     with tempfile.TemporaryDirectory() as directory:
-        return memory.rank_peaks(rank, world_size, job["args"], directory, "file")
+        return memory.rank_peaks(rank, world_size, job["args"], directory, "file", job.get("device", "cpu"))
 
 
 JOBS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {"fit": fit_job, "advice": advice_job,

@@ -1,4 +1,5 @@
-"""Peak memory (RSS) per rank: one process, pp2 and pp4 on MXNet's example model with a wider hidden size.
+"""Peak memory per rank: one process, pp2 and pp4 on MXNet's example model with a wider hidden size; the host's RSS
+on CPU, on CUDA the GPU's ``torch.cuda.max_memory_allocated``.
 
 Every rank builds the model on the meta device (``trainer.init_module(empty_init=True)``) and materializes only
 its own blocks, so a pipeline rank should hold about its share of the parameters, gradients and Adam state.
@@ -36,13 +37,17 @@ from lightning_mp_lstm.testing import run_ranks  # noqa: E402
 LAYOUTS = {"1 process": 1, "pp2": 2, "pp4": 4}
 
 
-def _peak_mib() -> float:
+def _peak_mib(device: str = "cpu") -> float:
+    """This process's peak memory so far, MiB: on ``cuda`` what torch allocated on its GPU, else the host's RSS."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else 0.0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def rank_peaks(rank: int, world_size: int, args: dict, directory: str, fmt: str) -> dict:
-    """Train ``args["steps"]`` steps on this rank of a ``world_size``-stage pipeline, then save in format ``fmt``
-    into ``directory``: peak RSS (MiB) at the floor, after training and after saving, and this rank's blocks."""
+def rank_peaks(rank: int, world_size: int, args: dict, directory: str, fmt: str, device: str = "cpu") -> dict:
+    """Train ``args["steps"]`` steps on this rank of a ``world_size``-stage pipeline on ``device`` (``cpu`` or
+    ``cuda``), then save in format ``fmt`` into ``directory``: peak memory (MiB, :func:`_peak_mib`) at the floor,
+    after training and after saving, and this rank's blocks."""
     warnings.filterwarnings("ignore")
     import lightning_mp_lstm  # noqa: F401
     from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
@@ -50,10 +55,10 @@ def rank_peaks(rank: int, world_size: int, args: dict, directory: str, fmt: str)
 
     data = LMDataModule(source="ptb", **ptb_paths(), buckets=[8, 16, 24, 32, 60], batch_size=args["rows"])
     data.setup("fit")
-    floor = _peak_mib()
+    floor = _peak_mib(device)
     strategy = MPLSTMStrategy(n_microbatches=world_size, report_after_steps=None, checkpoint_format=fmt,
                               schedule="GPipe")
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=args["steps"],
+    trainer = pl.Trainer(strategy=strategy, accelerator=device, devices=world_size, max_steps=args["steps"],
                          limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     torch.manual_seed(0)
@@ -61,16 +66,17 @@ def rank_peaks(rank: int, world_size: int, args: dict, directory: str, fmt: str)
         model = LSTMLanguageModel(data.vocab_size, embedding_dim=200, hidden_size=args["hidden_size"], num_layers=8,
                                   optimizer="adam", lr=1e-3)
     trainer.fit(model, datamodule=data)
-    training = _peak_mib()
+    training = _peak_mib(device)
     trainer.save_checkpoint(Path(directory) / f"{fmt}.ckpt")
-    out = {"training": training, "saving": _peak_mib(), "params": sum(p.numel() for p in model.parameters()),
+    out = {"training": training, "saving": _peak_mib(device), "params": sum(p.numel() for p in model.parameters()),
            "blocks": trainer.strategy.plan.blocks_of(trainer.strategy.pipeline_rank)}
     out["floor"] = floor
     return out
 
 
 def measure(hidden: int = 1024, rows: int = 8, steps: int = 2, layouts: dict[str, int] | None = None,
-            formats: tuple[str, ...] = ("file", "sharded"), timeout: float = 1200) -> dict[str, list[dict]]:
+            formats: tuple[str, ...] = ("file", "sharded"), timeout: float = 1200, device: str = "cpu"
+            ) -> dict[str, list[dict]]:
     """Peaks of every rank of every layout (``name -> processes``, default :data:`LAYOUTS`), each checkpoint format
     in fresh processes: ``{layout: [per rank: {"floor", "training", "saving", "params", "blocks", <format>: {...}}]}``
     (the top-level numbers are the first format's)."""
@@ -80,7 +86,7 @@ def measure(hidden: int = 1024, rows: int = 8, steps: int = 2, layouts: dict[str
         runs = {}
         for fmt in formats:  # the peak only ever grows: each format in fresh processes
             with tempfile.TemporaryDirectory() as directory:
-                runs[fmt] = run_ranks(rank_peaks, world, args, directory, fmt, timeout=timeout)
+                runs[fmt] = run_ranks(rank_peaks, world, args, directory, fmt, device, timeout=timeout)
         results[name] = [{**per_format[0], **dict(zip(formats, per_format))} for per_format in zip(*runs.values())]
     return results
 

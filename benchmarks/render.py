@@ -173,9 +173,23 @@ def _pays(results: dict[str, Any]) -> list[str]:
               "of the parameters, gradients and optimizer state), and when the devices are really separate (GPUs, or "
               "machines), so that the stages compute at the same time instead of taking turns on the same cores. On "
               "one multi-core CPU with a model that fits, one process with all the cores is the layout to beat."]
-    lines += ["", "No GPU was available for this run: every row is CPU (gloo). The single-GPU rows and the timeline's "
-              "CUDA-event path have not been measured yet."]
     return lines
+
+
+def _gpu_rows(results: dict[str, Any]) -> list[str]:
+    """Where the GPU rows are: this page's (a ``--device cuda`` run), or the command that produces them."""
+    m = results["machine"]
+    lines = ["## GPU rows", ""]
+    if m.get("device") == "cuda":
+        return lines + [f"Every row of this page is CUDA: {m['gpus']} x {m['gpu']} (CUDA {m['cuda']}), one process "
+                        "per GPU on NCCL; the memory section's peaks are the GPUs' "
+                        "(`torch.cuda.max_memory_allocated`), not the host's. The CPU-only sections (advice, strategy "
+                        "overhead) are left out."]
+    return lines + ["Not measured yet: no GPU was available for this run, and every row above is CPU (gloo). The GPU "
+                    "rows are produced by `python benchmarks/run.py --device cuda` on a machine with CUDA GPUs (one "
+                    "process per GPU, NCCL; peak memory from `torch.cuda.max_memory_allocated`), which writes "
+                    "`benchmarks/results_cuda.json` and its page `docs/results_cuda.md`. [GPU status](gpu.md) says "
+                    "how to run it and report the output."]
 
 
 #: The timeline pictures the page shows under the pipeline section, and their captions.
@@ -206,6 +220,7 @@ def render(results: dict[str, Any], page: Path | None = None) -> str:
              "| machine | |", "| --- | --- |",
              f"| CPU | {m['cpu']} |", f"| cores | {m['cores']} |", f"| torch | {m['torch']} |",
              f"| Lightning | {m['lightning']} |", f"| Python | {m['python']} |",
+             *([f"| GPUs | {m['gpus']} x {m['gpu']} (CUDA {m['cuda']}) |"] if m.get("device") == "cuda" else []),
              f"| load average (1, 5, 15 min) before | {', '.join(f'{v:.2f}' for v in m['load_before'])} |",
              f"| load average after | {', '.join(f'{v:.2f}' for v in m['load_after'])} |", "",
              "Goals met: " + ", ".join(f"{sum(g['met'] for g in s['goals'])} of {len(s['goals'])} ({s['title']})"
@@ -231,6 +246,7 @@ def render(results: dict[str, Any], page: Path | None = None) -> str:
                     relative = os.path.relpath(resolve_stored(pictures[key]), base)
                     lines += [f"![{caption}]({Path(relative).as_posix()})", "", f"*{caption}.*", ""]
     lines += _pays(results)
+    lines += [""] + _gpu_rows(results)
     return "\n".join(lines).rstrip() + "\n"
 
 

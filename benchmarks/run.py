@@ -3,6 +3,8 @@
     python benchmarks/run.py                          # full: benchmarks/results.json, docs/results.md, pictures
     python benchmarks/run.py --quick --out DIR        # CI: tiny sizes, every section, about a minute on 2 cores
     python benchmarks/run.py --render docs/results.md [--json benchmarks/results.json]   # page only, no measuring
+    python benchmarks/run.py --device cuda            # on CUDA GPUs (NCCL): benchmarks/results_cuda.json and
+                                                      # docs/results_cuda.md; refused when no GPU is visible
 
 Sections (each a table; each goal gets a met / missed flag, a missed goal never fails the command):
 
@@ -16,6 +18,11 @@ Sections (each a table; each goal gets a met / missed flag, a missed goal never 
 * ``strategy_overhead``: ``MPLSTMStrategy`` in ``Trainer.fit`` against a bare pipelining loop
   (``benchmarks/strategy_overhead.py``);
 * ``advice``: ``lightning_mp_lstm.advice``'s predicted order of layouts against the measured one.
+
+With ``--device cuda`` every rank trains on its own GPU (one process per GPU, NCCL) and peak memory is the GPU's
+(``torch.cuda.max_memory_allocated``) instead of the host's RSS; ``advice`` and ``strategy_overhead`` are CPU-only
+(:data:`CPU_ONLY`) and left out. The command refuses, before measuring anything, when CUDA is not available or
+fewer GPUs are visible than its layouts have processes.
 
 Times are medians over steps after warm-up (tokens/s: real tokens over the timed steps); ratios compare runs made
 in the same invocation; every rank runs one thread unless its row says otherwise. The script checks its JSON
@@ -51,10 +58,19 @@ from benchmarks.sizes import FULL, QUICK, Sizes  # noqa: E402
 DEFAULT_JSON = ROOT / "benchmarks" / "results.json"
 DEFAULT_PAGE = ROOT / "docs" / "results.md"
 DEFAULT_PICTURES = ROOT / "docs" / "_static" / "results"
+#: Where ``--device cuda`` writes by default (the CPU results stay where they are).
+CUDA_JSON = ROOT / "benchmarks" / "results_cuda.json"
+CUDA_PAGE = ROOT / "docs" / "results_cuda.md"
+CUDA_PICTURES = ROOT / "docs" / "_static" / "results" / "cuda"
+#: Sections that measure the CPU only, and why; ``--device cuda`` leaves them out.
+CPU_ONLY = {
+    "advice": "lightning_mp_lstm.advice calibrates CPU threads and a host memory copy, and refuses GPUs",
+    "strategy_overhead": "its bare loop is a CPU pipeline on gloo",
+}
 
 
-def machine() -> dict[str, Any]:
-    """The CPU, its cores, the versions and the load (1, 5, 15 minutes) right now."""
+def machine(device: str = "cpu") -> dict[str, Any]:
+    """The CPU, its cores, the versions and the load (1, 5, 15 minutes) right now; on ``cuda`` the GPUs too."""
     import lightning
     import torch
 
@@ -66,12 +82,44 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count() or 1, "torch": torch.__version__, "lightning": lightning.__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "load_before": list(os.getloadavg())}
+    info = {"cpu": cpu, "cores": os.cpu_count() or 1, "torch": torch.__version__, "lightning": lightning.__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "load_before": list(os.getloadavg()),
+            "device": device}
+    if device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
+    return info
 
 
-def _run(fixed: dict[int, list[dict[str, Any]]], sizes: Sizes, need_layouts: bool, log: Callable[[str], None]
-         ) -> tuple[list[tuple[dict[str, Any], Any]], dict[str, list[Any]]]:
+def processes_needed(sizes: Sizes, only: Sequence[str]) -> int:
+    """The most processes the jobs of sections ``only`` run at once (on CUDA: GPUs, one per process)."""
+    worlds = [1]
+    if "pipeline_bound" in only:
+        worlds.append(4)  # the dp2 x pp2 picture
+    if "partition_regret" in only:
+        worlds.append(2)
+    if "layouts" in only or "advice" in only:
+        worlds += [world for world, todo in specs.layout_jobs(sizes, 0).items() if todo]
+    if "memory" in only:
+        worlds += list(sizes.memory_layouts.values())
+    return max(worlds)
+
+
+def cuda_problem(sizes: Sizes, only: Sequence[str]) -> str | None:
+    """Why ``--device cuda`` cannot run sections ``only`` here (``None``: it can)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"CUDA is not available (torch {torch.__version__}, built for CUDA {torch.version.cuda}): run it on "
+                "a machine with NVIDIA GPUs and a CUDA build of torch, or leave out --device cuda for the CPU rows")
+    needed, visible = processes_needed(sizes, only), torch.cuda.device_count()
+    if visible < needed:
+        return (f"the sections {', '.join(only)} run up to {needed} processes, one per GPU, and {visible} GPU(s) "
+                "are visible; pick sections that fit with --only (bucketing: 1 GPU, partition_regret: 2)")
+    return None
+
+
+def _run(fixed: dict[int, list[dict[str, Any]]], sizes: Sizes, need_layouts: bool, log: Callable[[str], None],
+         device: str = "cpu") -> tuple[list[tuple[dict[str, Any], Any]], dict[str, list[Any]]]:
     """Run the ``fixed`` jobs (by number of processes) and, when needed, every round of the layouts.
 
     Returns:
@@ -84,7 +132,7 @@ def _run(fixed: dict[int, list[dict[str, Any]]], sizes: Sizes, need_layouts: boo
     for r in range(rounds):
         layout_jobs = specs.layout_jobs(sizes, r) if need_layouts else {1: [], 2: [], 4: []}
         for world in (1, 2, 4):
-            todo = (fixed[world] if r == 0 else []) + layout_jobs[world]
+            todo = [{**job, "device": device} for job in (fixed[world] if r == 0 else []) + layout_jobs[world]]
             if not todo:
                 continue
             log(f"  round {r + 1}/{rounds}: {len(todo)} runs on {world} process(es) ...")
@@ -101,8 +149,8 @@ def _run(fixed: dict[int, list[dict[str, Any]]], sizes: Sizes, need_layouts: boo
     return done, memory_ranks
 
 
-def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: Callable[[str], None] = print
-            ) -> dict[str, Any]:
+def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: Callable[[str], None] = print,
+            device: str = "cpu") -> dict[str, Any]:
     """Run the benchmarks of some sections.
 
     Args:
@@ -110,6 +158,7 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
         pictures: the directory for the timeline pictures.
         only: the sections to measure.
         log: where progress lines go.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (one GPU per process, NCCL; :func:`cuda_problem` first).
 
     Returns:
         ``{"sections": ..., "pictures": ...}`` of the results JSON.
@@ -135,7 +184,7 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
     if inline_memory:
         for world, job in specs.memory_jobs(sizes):
             fixed[world].insert(0, job)  # a process's peak memory never goes down: first in fresh processes
-    done, memory_ranks = _run(fixed, sizes, need_layouts, log)
+    done, memory_ranks = _run(fixed, sizes, need_layouts, log, device)
 
     def of(section: str) -> list[tuple[dict, Any]]:
         return [(job, result) for job, result in done if job.get("section") == section]
@@ -162,7 +211,8 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
             from benchmarks import memory
 
             memory_ranks = memory.measure(sizes.memory_hidden, sizes.memory_rows, sizes.memory_steps,
-                                          sizes.memory_layouts, sizes.memory_formats, timeout=sizes.timeout)
+                                          sizes.memory_layouts, sizes.memory_formats, timeout=sizes.timeout,
+                                          device=device)
             log(f"    {time.perf_counter() - started:.0f} s")
         else:
             memory_ranks = {layout: [{**r, "file": r} for r in ranks] for layout, ranks in memory_ranks.items()}
@@ -193,8 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--render", type=Path, default=None, metavar="PAGE",
                         help="only write the Markdown page PAGE from --json, measuring nothing")
     parser.add_argument("--json", type=Path, default=None, help="results to render (default benchmarks/results.json)")
-    parser.add_argument("--only", default=",".join(SECTIONS),
-                        help=f"comma-separated sections to measure (default all: {','.join(SECTIONS)})")
+    parser.add_argument("--only", default=None,
+                        help=f"comma-separated sections to measure (default all: {','.join(SECTIONS)}; with "
+                             f"--device cuda all but the CPU-only {','.join(CPU_ONLY)})")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (gloo, the default) or cuda (one GPU per process, NCCL; default output "
+                             "benchmarks/results_cuda.json and docs/results_cuda.md)")
     args = parser.parse_args(argv)
     if args.render is not None:
         source = args.json or DEFAULT_JSON
@@ -207,22 +261,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_page(results, args.render)
         print(f"wrote {args.render}")
         return 0
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    cuda = args.device == "cuda"
+    default_only = [s for s in SECTIONS if not (cuda and s in CPU_ONLY)]
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only is not None else default_only
     unknown = set(only) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
+    if cuda:
+        cpu_only = [s for s in only if s in CPU_ONLY]
+        if cpu_only:
+            parser.error("--device cuda: " + "; ".join(f"{s} is CPU-only ({CPU_ONLY[s]})" for s in cpu_only))
+        problem = cuda_problem(QUICK if args.quick else FULL, only)
+        if problem is not None:
+            print(f"benchmarks/run.py --device cuda refused: {problem}", file=sys.stderr)
+            return 2
     out = args.out
     if out is None and args.quick:
         out = Path(tempfile.mkdtemp(prefix="mp_lstm_benchmarks_"))
-    json_path, page = (out / "results.json", out / "results.md") if out else (DEFAULT_JSON, DEFAULT_PAGE)
-    pictures = out if out else DEFAULT_PICTURES
+    defaults = (CUDA_JSON, CUDA_PAGE, CUDA_PICTURES) if cuda else (DEFAULT_JSON, DEFAULT_PAGE, DEFAULT_PICTURES)
+    json_path, page = (out / "results.json", out / "results.md") if out else defaults[:2]
+    pictures = out if out else defaults[2]
     sizes = QUICK if args.quick else FULL
-    command = "python benchmarks/run.py" + (" --quick" if args.quick else "") + (
-        f" --only {','.join(only)}" if set(only) != set(SECTIONS) else "")
+    command = "python benchmarks/run.py" + (" --quick" if args.quick else "") + (" --device cuda" if cuda else "") + (
+        f" --only {','.join(only)}" if set(only) != set(default_only) else "")
     started = time.perf_counter()
-    info = machine()
-    print(f"{command}: {info['cpu']}, {info['cores']} cores, load {info['load_before'][0]:.2f}", flush=True)
-    measured = measure(sizes, pictures, only, log=lambda line: print(line, flush=True))
+    info = machine(args.device)
+    gpus = f", {info['gpus']} x {info['gpu']}" if cuda else ""
+    print(f"{command}: {info['cpu']}, {info['cores']} cores{gpus}, load {info['load_before'][0]:.2f}", flush=True)
+    measured = measure(sizes, pictures, only, log=lambda line: print(line, flush=True), device=args.device)
     info["load_after"] = list(os.getloadavg())
     results = {"schema": SCHEMA, "mode": "quick" if args.quick else "full", "command": command,
                "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -30,7 +30,7 @@ ROW_FIELDS: dict[str, dict[str, str]] = {
                          "max_over_mean": "pos", "ratio_to_best": "pos"},
     "bucketing": {"buckets": "str", "lengths": "list[int]", "real_tokens_per_s": "pos", "step_s": "pos",
                   "padded_fraction": "frac", "batch_padded_fraction": "frac", "speedup": "pos"},
-    "memory": {"layout": "str", "rank": "int", "blocks": "str", "params": "int", "floor_mib": "pos",
+    "memory": {"layout": "str", "rank": "int", "blocks": "str", "params": "int", "floor_mib": "num",
                "training_mib": "pos", "file_save_mib": "pos?", "sharded_save_mib": "pos?", "ratio": "pos"},
     "strategy_overhead": {"run": "str", "steps_per_s": "pos", "timed_steps": "int"},
     "advice": {"model": "str", "candidate": "str", "layout": "str", "predicted_s": "pos", "measured_s": "pos",

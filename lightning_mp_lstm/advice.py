@@ -6,6 +6,10 @@ training step of every way to use ``devices`` processes: one process with all co
 (each partition balanced by the measured times and the best number of microbatches) and their products, and
 orders them. The step-time model is the plan's (:func:`~lightning_mp_lstm.plan.step_time`), plus the bytes a
 layout moves between processes.
+
+The advice is for CPUs: it calibrates CPU threads and a host memory copy, and names candidates by cores. On any
+other device :func:`calibrate` and :func:`advise` refuse (:func:`check_device`); measure the layouts there instead
+(``python benchmarks/run.py --device cuda``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.partition import partition_blocks
 from lightning_mp_lstm.plan import microbatch_candidates, step_time
 
-__all__ = ["Calibration", "Candidate", "advise", "calibrate", "render"]
+__all__ = ["Calibration", "Candidate", "advise", "calibrate", "check_device", "render"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,31 @@ class Candidate:
     predicted_seconds: float
 
 
+def check_device(device: torch.device | str) -> None:
+    """Raise ``ValueError`` unless ``device`` is a CPU: what the advice measures and predicts is CPU-only.
+
+    On a GPU a process's speed does not grow with CPU threads, and processes exchange bytes over NVLink, PCIe or the
+    network through NCCL, not through host memory, so predictions from this calibration would be meaningless.
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise ValueError(
+            f"lightning_mp_lstm.advice predicts layouts for CPUs only, not for device {str(device)!r}: it calibrates "
+            "the speed-up of CPU threads and the bandwidth of a host memory copy, which say nothing about GPUs "
+            "(NVLink, PCIe, NCCL). On GPUs measure the layouts instead: python benchmarks/run.py --device cuda "
+            "(its layouts section times each layout's training steps on the GPUs)")
+
+
 def calibrate(model: Any, rows: int, length: int, device: torch.device, threads: Sequence[int] = (),
               bandwidth: float | None = None) -> Calibration:
     """Measure the thread speed-up of the whole model (blocks chained, forward + backward) for each count in
     ``threads`` (default: every power of two up to the CPU count) and, unless given, the bytes per second of a
-    local copy between processes (estimated from a memory copy of a 64 MiB buffer, halved for the transport)."""
+    local copy between processes (estimated from a memory copy of a 64 MiB buffer, halved for the transport).
+
+    Raises:
+        ValueError: ``device`` is not a CPU (:func:`check_device`).
+    """
+    check_device(device)
     blocks = pipeline_model(model)
     counts = sorted(set(threads) or {t for t in (1, 2, 4, 8, 16, 32, 64) if t <= (os.cpu_count() or 1)}) or [1]
     before = torch.get_num_threads()
@@ -103,7 +127,11 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
         schedule: the pipeline schedule of the pipelined candidates.
         cores: CPU cores to share between the processes (default: the CPU count).
         max_microbatches: the most microbatches considered.
+
+    Raises:
+        ValueError: ``device`` is not a CPU (:func:`check_device`).
     """
+    check_device(device)
     cores = cores or os.cpu_count() or 1
     model = pipeline_model(model)
     names = list(model.block_names)

@@ -168,8 +168,12 @@ class PipelineEngine:
         result = self.model.predictions(logits, targets) if self.has_last_stage and logits is not None else None
         result = {k: v[:rows] for k, v in self._broadcast_predictions(result).items()}
         if _shared(self.groups.data_parallel):
-            shards = faults.gather(lambda: {k: v.cpu() for k, v in result.items()}, group=self.groups.data_parallel)
-            result = {k: torch.cat([s[k] for s in shards]).to(self.device) for k in result}
+            # Every rank of a replica holds its predictions; the first rank of each replica's pipeline sends them to
+            # every rank over the object group (gloo: host memory, never staged through NCCL).
+            leads = [self.layout.global_rank(replica, 0) for replica in range(self.layout.data_parallel_size)]
+            mine = dist.get_rank() in leads
+            every = faults.gather(lambda: {k: v.cpu() for k, v in result.items()} if mine else None)
+            result = {k: torch.cat([every[lead][k] for lead in leads]).to(self.device) for k in result}
         restore = getattr(self.model, "restore_layout", None)
         return restore(result) if restore is not None else result
 
@@ -303,11 +307,13 @@ class PipelineEngine:
         if not _shared(self.groups.pipeline):
             assert result is not None
             return result
-        box = [{k: (tuple(v.shape), v.dtype) for k, v in result.items()} if result is not None else None]
-        dist.broadcast_object_list(box, group=self.groups.pipeline, group_src=self._last_stage_rank)
+        # The shapes and dtypes over the object group (every rank's entry, gloo), the tensors over the pipeline group.
+        last = dist.get_global_rank(self.groups.pipeline, self._last_stage_rank)
+        shapes = faults.gather(lambda: {k: (tuple(v.shape), v.dtype) for k, v in result.items()}
+                               if result is not None else None)[last]
         return {key: self._broadcast_from_last(result[key] if result is not None else
                                                torch.empty(shape, dtype=dtype, device=self.device))
-                for key, (shape, dtype) in box[0].items()}
+                for key, (shape, dtype) in shapes.items()}
 
     def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         if not _shared(self.groups.data_parallel):

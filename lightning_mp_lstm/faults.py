@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["PeerDirectory", "everywhere", "gather", "looks_like_lost_peer", "object_group", "result_from",
-           "setup_object_group"]
+__all__ = ["PeerDirectory", "everywhere", "gather", "looks_like_lost_peer", "object_group", "point_to_point_group",
+           "result_from", "setup_object_group"]
 
 T = TypeVar("T")
 
@@ -44,24 +44,37 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-_OBJECT_GROUP: dict[str, Any] = {"group": None}
+_OBJECT_GROUP: dict[str, Any] = {"group": None, "point_to_point": None}
 
 
 def setup_object_group() -> None:
-    """Make the process group that carries pickled objects (plans, errors, checkpoints gathered on rank 0, timeline
+    """Make the process groups that carry pickled objects (plans, errors, checkpoints gathered on rank 0, timeline
     spans): with a default backend other than gloo (nccl), a gloo group over every rank, so objects travel through
-    host memory instead of being staged in GPU memory through NCCL communicators; with gloo, the default group.
+    host memory instead of being staged in GPU memory through NCCL communicators; with gloo, the default group. And a
+    gloo group of every rank for objects sent from one rank to another (:func:`point_to_point_group`).
 
     A collective: every rank calls it once the default process group exists (the strategy's ``setup_environment``).
     """
     gloo = dist.get_backend() == "gloo"
     _OBJECT_GROUP["group"] = None if gloo else dist.new_group(backend="gloo")
+    _OBJECT_GROUP["point_to_point"] = dist.new_group(backend="gloo")
 
 
 def object_group() -> dist.ProcessGroup | None:
     """The group for object collectives over every rank (``None``: the default group): see
     :func:`setup_object_group`."""
     return _OBJECT_GROUP["group"] if dist.is_available() and dist.is_initialized() else None
+
+
+def point_to_point_group() -> dist.ProcessGroup | None:
+    """The gloo group for objects one rank sends to another (``send_object_list`` / ``recv_object_list``), apart
+    from :func:`object_group`'s collectives (``None`` before :func:`setup_object_group`: the default group).
+
+    gloo counts sends and receives in a group's sequence number. A rank that receives from every other (rank 0
+    gathering a checkpoint) would then run the group's next collectives under another sequence number than its peers:
+    harmless for gloo itself, but a mismatch for ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s collective checks.
+    """
+    return _OBJECT_GROUP["point_to_point"] if dist.is_available() and dist.is_initialized() else None
 
 
 def _portable(error: BaseException) -> BaseException:

@@ -241,27 +241,51 @@ class ParallelLayout:
     def build_mesh(self, device_type: str, backend: str, timeout: timedelta) -> DeviceMesh:
         """The ``(data_parallel, pipeline_parallel, tensor_parallel)`` device mesh; its sub-groups get ``timeout`` too.
 
-        ``init_device_mesh`` creates sub-groups with torch's 30-minute default timeout, whatever the default
-        group's, so a crashed rank would hang the other replicas' pipelines; the backend options fix that.
+        ``init_device_mesh`` creates sub-groups with torch's default timeout (30 minutes on gloo, 10 on nccl),
+        whatever the default group's, so a crashed rank would hang the other replicas' pipelines; the backend
+        options fix that for every group that communicates (see :func:`_timeout_options`).
         """
         return init_device_mesh(
             device_type,
             (self.data_parallel_size, self.pipeline_parallel_size, self.tensor_parallel_size),
             mesh_dim_names=MESH_DIMS,
-            backend_override=_timeout_options(backend, timeout),
+            backend_override=_timeout_options(backend, timeout, self.mesh_sizes),
         )
 
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """The size of every mesh dimension, by name (:data:`MESH_DIMS`)."""
+        return dict(zip(MESH_DIMS, (self.data_parallel_size, self.pipeline_parallel_size, self.tensor_parallel_size),
+                        strict=True))
 
-def _timeout_options(backend: str, timeout: timedelta) -> dict[str, Any] | None:
+
+def _timeout_options(backend: str, timeout: timedelta, sizes: dict[str, int]) -> dict[str, Any] | None:
+    """``init_device_mesh``'s ``backend_override``: backend options with ``timeout`` for the mesh dimensions whose
+    groups communicate.
+
+    torch (2.13, ``DeviceMesh._init_one_process_group``) makes one group per dimension whatever it is given. Without
+    an override, a dimension that spans every rank reuses the default group, which has the strategy's timeout
+    already; any override makes a new group instead (on nccl a second communicator over every rank). A size-1
+    dimension's group never communicates (the engine skips groups of one), so its torch default timeout does not
+    matter. So only dimensions of size > 1 get options, and on nccl not one that spans every rank. (On gloo that
+    dimension keeps its options: on a machine with CUDA, torch gives a gloo default group's dimension a new group of
+    torch's default timeout.)
+    """
     if backend == "gloo":
         make = dist.ProcessGroupGloo._Options
     elif backend == "nccl" and dist.is_nccl_available():
         make = dist.ProcessGroupNCCL.Options
     else:
         return None
+    world = 1
+    for size in sizes.values():
+        world *= size
     override = {}
     for name in MESH_DIMS:
+        size = sizes[name]
+        if size == 1 or (backend == "nccl" and size == world):
+            continue
         options = make()
         options._timeout = timeout
         override[name] = (backend, options)
-    return override
+    return override or None

@@ -189,3 +189,35 @@ def test_broken_results_are_refused(quick, tmp_path):
     path.write_text(json.dumps(broken))
     assert run.main(["--render", str(tmp_path / "page.md"), "--json", str(path)]) == 2
     assert not (tmp_path / "page.md").exists()
+
+
+# ----- the GPU rows: --device cuda ------------------------------------------------------------------------------
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without CUDA")
+def test_device_cuda_is_refused_before_measuring_without_cuda(tmp_path, capsys):
+    assert run.main(["--device", "cuda", "--quick", "--out", str(tmp_path)]) == 2
+    assert "--device cuda refused: CUDA is not available" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing measured, nothing written
+    with pytest.raises(SystemExit):  # a CPU-only section is an argument error, whatever the machine
+        run.main(["--device", "cuda", "--only", "advice"])
+    assert "advice is CPU-only" in capsys.readouterr().err
+
+
+def test_device_cuda_needs_a_gpu_per_process_of_its_sections(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert run.cuda_problem(QUICK, ["bucketing", "partition_regret"]) is None
+    problem = run.cuda_problem(QUICK, ["layouts"])
+    assert problem is not None and "2 GPU(s) are visible" in problem
+
+
+def test_the_page_has_a_place_for_the_gpu_rows(tmp_path):
+    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    page = tmp_path / "results.md"
+    assert run.main(["--render", str(page), "--json", str(ROOT / "benchmarks" / "results.json")]) == 0
+    assert "## GPU rows\n\nNot measured yet" in page.read_text()
+    assert "`python benchmarks/run.py --device cuda`" in page.read_text()
+    results["machine"].update(device="cuda", gpus=2, gpu="NVIDIA H100", cuda="12.8")
+    (tmp_path / "cuda.json").write_text(json.dumps(results))
+    assert run.main(["--render", str(page), "--json", str(tmp_path / "cuda.json")]) == 0
+    assert "Every row of this page is CUDA: 2 x NVIDIA H100" in page.read_text()

@@ -19,7 +19,8 @@ EXAMPLES = DOCS / "examples"
 PAGES = [
     "index", "quickstart", "bring_your_own_model", "strategy", "architecture", "configuration", "layouts",
     "tensor_parallel", "partitioning",
-    "timeline", "reliability", "data", "language_models", "generation", "benchmarks", "results", "api", "dependencies",
+    "timeline", "reliability", "gpu", "data", "language_models", "generation", "benchmarks", "results", "api",
+    "dependencies",
 ]
 
 

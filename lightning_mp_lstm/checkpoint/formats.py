@@ -30,7 +30,7 @@ from lightning_mp_lstm.checkpoint.state import (
     name_keyed_optimizer_state,
     optimizer_state,
 )
-from lightning_mp_lstm.faults import gather, object_group, result_from
+from lightning_mp_lstm.faults import gather, point_to_point_group, result_from
 
 __all__ = ["CheckpointFormat", "FileFormat", "ShardedFormat", "checkpoint_format", "gather_to_rank_zero"]
 
@@ -171,15 +171,15 @@ def _to_cpu(obj: Any) -> Any:
 def gather_to_rank_zero(local: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Gather one picklable dict per process on global rank 0 (``None`` on the other ranks).
 
-    Tensors travel on CPU, whatever the device, over the object group (gloo,
-    :func:`~lightning_mp_lstm.faults.object_group`); without a process group the list holds ``local`` only. Rank 0
-    receives one rank at a time and unpickles it before the next, so it holds every rank's tensors once plus one
+    Tensors travel on CPU, whatever the device, over the rank-to-rank object group (gloo,
+    :func:`~lightning_mp_lstm.faults.point_to_point_group`); without a process group the list holds ``local`` only.
+    Rank 0 receives one rank at a time and unpickles it before the next, so it holds every rank's tensors once plus one
     rank's serialized bytes, not all of them twice (what ``gather_object`` needs).
     """
     local = _to_cpu(local)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [local]
-    group = object_group()  # gloo: the bytes stay in host memory whatever the training backend
+    group = point_to_point_group()  # gloo: the bytes stay in host memory whatever the training backend
     if dist.get_rank() != 0:
         dist.send_object_list([local], dst=0, group=group)
         return None
