@@ -72,11 +72,11 @@ class ProcessOptions:
             return None
         return self.pipeline_parallel_size * self.data_parallel_size * self.tensor_parallel_size
 
-    def resolve(self, world_size: int, n_microbatches: int | None) -> ParallelLayout:
-        """The layout for ``world_size`` processes (``n_microbatches``: ``None`` for the default)."""
+    def resolve(self, world_size: int, n_microbatches: int | None, time_chunks: int | None = None) -> ParallelLayout:
+        """The layout for ``world_size`` processes (``n_microbatches``, ``time_chunks``: ``None`` for the default)."""
         layout = ParallelLayout.resolve(world_size, self.data_parallel_size, self.pipeline_parallel_size,
                                         self.stages_per_rank, self.schedule, n_microbatches,
-                                        self.tensor_parallel_size)
+                                        self.tensor_parallel_size, time_chunks)
         weights = self.data_parallel_weights
         if weights is not None and len(weights) != layout.data_parallel_size:
             raise LayoutError(f"data_parallel_weights={list(weights)} must hold one positive weight per replica "
