@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import LayoutError, MPLSTMStrategy
+from lightning_mp_lstm import LayoutError, MPLSTMStrategy, advice, report
+from lightning_mp_lstm import plan as plan_module
+from lightning_mp_lstm.advice import Calibration, advise
 from lightning_mp_lstm.data import LMDataModule
 from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.engine import ProcessGroups, build_engine
@@ -29,7 +31,7 @@ from lightning_mp_lstm.language_model import prediction_from_logits
 from lightning_mp_lstm.layout import MESH_DIMS, ParallelLayout
 from lightning_mp_lstm.model import token_loss_sum
 from lightning_mp_lstm.partition import even_partition
-from lightning_mp_lstm.plan import ChunkCost, PlanOptions, chunk_candidates
+from lightning_mp_lstm.plan import ChunkCost, PlanOptions, chunk_candidates, make_plan, step_time
 from lightning_mp_lstm.wavefront import chunk_lengths
 from tests.helpers import (
     FixedBatches,
@@ -45,6 +47,7 @@ from tests.helpers import (
 )
 
 LENGTHS = (5, 9, 7)  # bucket lengths of the engine's batches: none a multiple of 2, 3 or 4
+CPU = torch.device("cpu")
 
 
 def _wavefront(**kwargs: Any) -> dict:
@@ -89,6 +92,44 @@ def test_chunk_cost_fit_and_candidates():
     assert ChunkCost.fit((20, 0.01), (20, 0.0)).seconds(20) == pytest.approx(0.01)
     assert chunk_candidates(35, [8, 16, 24], max_time_chunks=16) == list(range(1, 9))
     assert chunk_candidates(6, None, max_time_chunks=16) == [1, 2, 3, 4, 5, 6]
+
+
+def test_auto_weighs_rows_against_chunks_with_the_step_model(monkeypatch):
+    """Block times of 0.1 ms per call + 10 us per row and step: the plan fits that line per row count, predicts every
+    rows x chunks pair with step_time over m x k units, picks the fastest, and the report says which and why."""
+    def fake_seconds(model, names, rows, length, device, repeats=5, warmup=2):
+        return {name: 1e-4 + 1e-5 * rows * length for name in names}
+
+    monkeypatch.setattr(plan_module.profile, "block_seconds", fake_seconds)
+    layout = ParallelLayout(1, 2, 1, "Wavefront", 1, time_chunks=2)
+    plan = make_plan(tiny_model(num_layers=2), layout, PlanOptions(n_microbatches="auto", time_chunks="auto"), 8, 12,
+                     CPU, bucket_lengths=[12, 20])
+    predictions = {(m, k): t for m, k, t in plan.unit_predictions}
+    assert sorted({m for m, _ in predictions}) == [1, 2, 4, 8] and sorted({k for _, k in predictions}) == list(
+        range(1, 13))
+    for (m, k), seconds in predictions.items():
+        unit = 2 * (1e-4 + 1e-5 * (8 // m) * -(-12 // k))  # two blocks per rank
+        assert seconds == pytest.approx(step_time([unit, unit], m * k)), (m, k)
+    best = min(predictions, key=predictions.get)
+    assert (plan.n_microbatches, plan.layout.time_chunks) == best == (1, 3)
+    assert {m: (fixed, per_step) for m, fixed, per_step in plan.chunk_costs}[2] == pytest.approx((2e-4, 2 * 4e-5))
+    text = report.render(plan)
+    assert "axes: rows x time chunks = 1 x 3 = 3 units; bubble (S-1)/(units+S-1) = 25.0% with S=2" in text
+    assert "auto chose m=1 x k=3: predicted" in text and "why: on this device" in text and "m=2: 1.09x" in text
+
+
+def test_advice_prefers_time_chunks_when_rows_cost_nothing(monkeypatch):
+    """The GPU curve (a block's time flat in rows, linear in length): a batch-split pipeline pays the whole batch's
+    time per microbatch, a wavefront pipeline a chunk's."""
+    monkeypatch.setattr(advice.profile, "block_seconds",
+                        lambda model, names, rows, length, *args, **kwargs: {n: 1e-3 * length for n in names})
+    candidates = advise(tiny_model(num_layers=2), 2, 16, 12, CPU, Calibration(((1, 1.0),), float("inf")), cores=2,
+                        time_chunks=(2, 4, 12))
+    best = candidates[0]
+    assert (best.name, best.n_microbatches, best.time_chunks) == ("pp2 wavefront, m=1 x k=12", 1, 12)
+    assert best.predicted_seconds == pytest.approx(step_time([2e-3, 2e-3], 12))  # two blocks of 1 step per rank
+    batch_split = next(c for c in candidates if c.name.startswith("pp2 balanced"))
+    assert batch_split.predicted_seconds >= 3 * 24e-3 * (1 - 1e-9)  # m + 1 >= 3 units of the whole batch's time
 
 
 # ----- the engine against one process ------------------------------------------------------------------------
