@@ -1,4 +1,4 @@
-"""Peak memory (RSS) per rank: one process, pp2 and pp4 on the seed's model with a wider hidden size.
+"""Peak memory (RSS) per rank: one process, pp2 and pp4 on MXNet's example model with a wider hidden size.
 
 Every rank builds the model on the meta device (``trainer.init_module(empty_init=True)``) and materializes only
 its own blocks, so a pipeline rank should hold about its share of the parameters, gradients and Adam state.

@@ -1,4 +1,4 @@
-"""Partition and microbatch choice on the seed's model: even vs mxnet2 vs balanced2, auto vs fixed m.
+"""Partition and microbatch choice on MXNet's example model: even vs mxnet2 vs balanced2, auto vs fixed m.
 
 The ``mxnet_ptb`` model (8 x LSTM 400, embedding 200) with a 10,000-word vocabulary on 2 CPU ranks (one
 thread each), 1F1B. For each setting: steps/s (median interval between step starts after warm-up) and

@@ -3,8 +3,8 @@
 Part ``comm`` (2 CPU ranks, gloo): the decoder and its loss for one batch, split by columns (tp2: ``ColwiseParallel``
 + ``loss_parallel``) or replicated (dp2: half the batch each, gradients all-reduced). Every collective's payload is
 counted (:class:`CountCollectives` wraps torch's collective functions while the step runs) and printed next to the
-seed's formula (model_parallelism_blog.txt: "split by the second dimension: stack the outputs forward, add the
-input errors backward"; data parallel: the weight's gradient once).
+weight-splitting essay's formula (model_parallelism_blog.txt: "split by the second dimension: stack the outputs
+forward, add the input errors backward"; data parallel: the weight's gradient once).
 
 Part ``layouts``: ``Trainer.fit`` with ``mp_lstm`` on a large-vocabulary model (default 30,000 words) as tp2, pp2
 and dp2, 2 ranks each: median step time after warm-up and, per rank, the bytes of parameters, gradients and
@@ -106,7 +106,7 @@ def _comm_worker(rank: int, world_size: int, mode: str, rows: int, hidden: int, 
 def comm(rows: int, hidden: int, vocab: int) -> None:
     print(f"decoder {hidden} x {vocab}, batch of {rows} tokens (float32), 2 ranks; bytes one rank sends into "
           "collectives per step (all-reduce of n bytes: the payload n, whatever the algorithm)")
-    # The seed's arithmetic for a weight split by its second dimension over k devices: forward, stack the
+    # The essay's arithmetic for a weight split by its second dimension over k devices: forward, stack the
     # N x out outputs; backward, add the N x in input errors. Data parallel: the in x out gradient once.
     seed_tp = (rows * vocab + rows * hidden) * 4
     seed_dp = (hidden * vocab + vocab) * 4
@@ -114,9 +114,9 @@ def comm(rows: int, hidden: int, vocab: int) -> None:
     for mode, formula, predicted in (("tp2", seed_tp, ours_tp), ("dp2", seed_dp, seed_dp)):
         counted = run_ranks(_comm_worker, 2, mode, rows, hidden, vocab, timeout=300)[0]
         total = sum(counted.values())
-        print(f"  {mode}: counted {total:>12,} B {dict(sorted(counted.items()))}; seed's formula {formula:>12,} B; "
+        print(f"  {mode}: counted {total:>12,} B {dict(sorted(counted.items()))}; essay's formula {formula:>12,} B; "
               f"predicted {predicted:,} B")
-    print("  tp2 with loss_parallel never sends the N x V logits the seed's 'stack' step would: only the N x H "
+    print("  tp2 with loss_parallel never sends the N x V logits the essay's 'stack' step would: only the N x H "
           "input errors (added) and three N-vectors of the softmax")
 
 
@@ -189,7 +189,7 @@ def lstm(config: str) -> None:
     with open(config) as handle:
         cfg = yaml.safe_load(handle)
     e, h, layers = int(cfg["embedding_dim"]), int(cfg["hidden_size"]), int(cfg["num_layers"])
-    rows, length = 20, 35  # the seed's PTB batch, a typical bucket
+    rows, length = 20, 35  # MXNet's example's PTB batch, a typical bucket
     print(f"{os.path.basename(config)}: embedding {e}, hidden {h}, {layers} layers; microbatch {rows} x {length}; "
           "float32 elements one rank exchanges per layer per microbatch, tp=2 (analytic)")
     # Input projection x . W_ih (all time steps at once) split by columns: each rank computes 4h/2 gate columns

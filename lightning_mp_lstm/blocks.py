@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 __all__ = ["DecoderBlock", "EmbeddingBlock", "LSTMLayerBlock", "LayerwiseLSTM", "TimeChunk", "lstm_layer_names"]
 
@@ -76,6 +77,7 @@ class LayerwiseLSTM(nn.Module):
         return [torch.empty(size, device=device).uniform_(-bound, bound)
                 for size in _lstm_sizes(layer, self.input_size, self.hidden_size)]
 
+    @override
     def extra_repr(self) -> str:
         return f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, layers held={self.layers()}"
 
@@ -116,6 +118,7 @@ class EmbeddingBlock(nn.Module):
         self.embedding = embedding
         self.dropout = dropout
 
+    @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
         return self.dropout(x) if self.dropout is not None else x
@@ -166,6 +169,7 @@ class LSTMLayerBlock(nn.Module):
             if self._parameters.get(name) is not weight:
                 self.register_parameter(name, weight)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chunk = self.time_chunk
         state = chunk.initial if chunk is not None else None
@@ -194,6 +198,7 @@ class DecoderBlock(nn.Module):
         self.decoder = decoder
         self.dropout = dropout
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.dropout(x) if self.dropout is not None else x)
 

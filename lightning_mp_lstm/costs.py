@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_mp_lstm.validation import check_positive_int, check_positive_number
+
 __all__ = ["OPTIMIZER_STATES", "CostError", "ModelShape", "flop_costs", "memory_costs", "parameter_counts"]
 
 #: Number of per-parameter optimizer state tensors, by optimizer name.
@@ -53,13 +55,13 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embedding_dim", "hidden_size", "num_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CostError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name), CostError)
         sizes = self.layer_hidden_sizes
-        if sizes is not None and (len(sizes) != self.num_layers or any(
-                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes)):
-            raise CostError(f"layer_hidden_sizes must be {self.num_layers} positive integers, got {sizes!r}")
+        if sizes is not None:
+            if len(sizes) != self.num_layers:
+                raise CostError(f"layer_hidden_sizes must be {self.num_layers} positive integers, got {sizes!r}")
+            for size in sizes:
+                check_positive_int(f"layer_hidden_sizes (got {sizes!r}): each size", size, CostError)
         if self.tie_weights and self.embedding_dim != self.decoder_input_size:
             raise CostError(
                 "tie_weights requires embedding_dim == the last layer's hidden size, got "
@@ -151,8 +153,7 @@ def memory_costs(
         raise CostError(
             f"unknown optimizer {optimizer!r}; allowed optimizers are: {', '.join(OPTIMIZER_STATES)}"
         )
-    if isinstance(bytes_per_param, bool) or not isinstance(bytes_per_param, (int, float)) or bytes_per_param <= 0:
-        raise CostError(f"bytes_per_param must be > 0, got {bytes_per_param!r}")
+    check_positive_number("bytes_per_param", bytes_per_param, CostError)
     copies = 2 + OPTIMIZER_STATES[optimizer]
     counts = parameter_counts(shape)
     if shape.tie_weights and replicate_tied:
@@ -165,8 +166,7 @@ def _mean_length(bucket_lengths: Sequence[int], bucket_weights: Sequence[float] 
     if not lengths:
         raise CostError("bucket_lengths must not be empty")
     for length in lengths:
-        if isinstance(length, bool) or not isinstance(length, (int, float)) or not length > 0:
-            raise CostError(f"bucket lengths must be > 0, got {length!r}")
+        check_positive_number("each bucket length", length, CostError)
     if bucket_weights is None:
         weights = [1.0] * len(lengths)
     else:
@@ -226,8 +226,7 @@ def flop_costs(
         CostError: On a non-positive batch size, empty/invalid buckets or
             mismatched weights.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise CostError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_positive_int("batch_size", batch_size, CostError)
     tokens = batch_size * _mean_length(bucket_lengths, bucket_weights)
     V, E = shape.vocab_size, shape.embedding_dim
     train = 1.0 + _BACKWARD_FACTOR

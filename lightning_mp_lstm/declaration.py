@@ -15,10 +15,8 @@ not changed until the strategy prunes it to the blocks a process holds, and it n
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -122,8 +120,7 @@ def _guess(module: nn.Module) -> dict[str, str]:
             found.setdefault("embedding", name)
         elif isinstance(child, nn.LSTM) or (isinstance(child, nn.ModuleList) and child
                                             and all(isinstance(c, nn.LSTM) for c in child)):
-            if not any(name.startswith(f"{found[k]}.") for k in ("lstm",) if k in found):
-                found.setdefault("lstm", name)
+            found.setdefault("lstm", name)  # a ModuleList of LSTMs comes before its members
         elif isinstance(child, nn.Linear):
             found["decoder"] = name  # the last one
         elif isinstance(child, nn.Dropout):
@@ -171,20 +168,3 @@ def pipeline_model(module: nn.Module, seed: int | None = None) -> PipelineModel:
             f"lightning_mp_lstm.contract.PipelineModel; {error}"
         ) from None
     return declared
-
-
-def block_of(block_names: list[str], parameter: str) -> str | None:
-    """The block a parameter name belongs to (``rnn.weight_ih_l2`` -> ``rnn.2``, ``encoder.weight`` -> ``encoder``)."""
-    for block in block_names:
-        prefix, _, index = block.rpartition(".")
-        if parameter.startswith(f"{block}."):
-            return block
-        layer = re.fullmatch(rf"{re.escape(prefix)}\.(weight|bias)_(ih|hh)_l(\d+)", parameter) if prefix else None
-        if layer is not None and layer.group(3) == index:
-            return block
-    return None
-
-
-def describe(value: Any) -> str:
-    """A short description of a module for messages."""
-    return type(value).__name__ if value is not None else "nothing"

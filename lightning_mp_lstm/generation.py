@@ -20,9 +20,19 @@ from typing import Any
 
 import torch
 
-from lightning_mp_lstm.checkpoint import SHARDED_METADATA, CheckpointError, is_sharded, load_sharded, read_checkpoint
+from lightning_mp_lstm.checkpoint import (
+    SHARDED_METADATA,
+    CheckpointError,
+    is_sharded,
+    load_sharded,
+    local_model_state,
+    read_checkpoint,
+    with_aliases,
+)
 from lightning_mp_lstm.data.vocab import EOS, PAD, UNK, Vocabulary
 from lightning_mp_lstm.model import LSTMLanguageModel
+from lightning_mp_lstm.tied import shared_parameter_aliases
+from lightning_mp_lstm.validation import check_positive_int
 
 __all__ = ["check_sampling", "generate", "generate_from_checkpoint", "generate_ids", "load_for_generation",
            "vocabulary_from_checkpoint"]
@@ -119,41 +129,23 @@ def load_for_generation(
             state = load_sharded(path, model, [])["state_dict"]
     else:
         state = checkpoint["state_dict"]
-    own = model.state_dict()
-    if model.hparams.tie_weights and "decoder.weight" not in state and "embedding.weight" in state:
-        state = {**state, "decoder.weight": state["embedding.weight"]}  # one tensor, saved under its first name
-    missing = [k for k in own if k not in state]
-    unexpected = sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path} does not fit the model its hyperparameters describe: missing {missing or 'nothing'}, "
-            f"unexpected {unexpected or 'nothing'}"
-        )
-    for key, value in own.items():
-        if tuple(state[key].shape) != tuple(value.shape):
-            raise CheckpointError(
-                f"{path}: {key} has shape {tuple(state[key].shape)} but the model's has shape {tuple(value.shape)}"
-            )
+    state = with_aliases(state, shared_parameter_aliases(model))  # a tied weight saved under its first name only
+    state = local_model_state(model, state, full_keys=model.state_dict().keys(), source=str(path),
+                              hint="it is not the model its hyperparameters describe")
     model.load_state_dict(state, strict=True)
     model.to(torch.device(device) if device is not None else torch.device("cpu"))
     return model.eval(), vocab
 
 
 # ----- sampling --------------------------------------------------------------------------------------------
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}")
-    return value
-
-
 def check_sampling(num_samples: int, max_tokens: int, temperature: float, top_k: int | None, seed: int) -> None:
     """Check the sampling settings of :func:`generate`.
 
     Raises:
         ValueError: naming the setting, its value and what is allowed.
     """
-    _positive_int("num_samples", num_samples)
-    _positive_int("max_tokens", max_tokens)
+    check_positive_int("num_samples", num_samples)
+    check_positive_int("max_tokens", max_tokens)
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
             or not math.isfinite(temperature) or temperature <= 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r} (1.0 samples the model's "

@@ -25,6 +25,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _basic_subpr
 from lightning.fabric.utilities.rank_zero import _get_rank, rank_prefixed_message
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
 
 __all__ = ["JobLauncher", "hydra_job_command", "hydra_quote"]
 
@@ -144,6 +145,7 @@ class JobLauncher(_SubprocessScriptLauncher):
         self._saved_env: dict[str, str | None] | None = None
         self._saved_threads: int | None = None
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if self._saved_env is None and not self.cluster_environment.creates_processes_externally:
             # The first launch of this job spawns; fit/validate/test after it find LOCAL_RANK and do not.
@@ -155,6 +157,7 @@ class JobLauncher(_SubprocessScriptLauncher):
             self._failed = True
             raise
 
+    @override
     def _call_children_scripts(self) -> None:
         # Lightning's, with the child command of this job only (Lightning re-runs sys.argv[1:]).
         self._check_can_spawn_children()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torchmetrics import Metric
+from typing_extensions import override
 
 __all__ = ["LanguageModelMetrics", "TokenMean", "perplexity"]
 
@@ -36,10 +37,12 @@ class TokenMean(Metric):
         self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
+    @override
     def update(self, mean: torch.Tensor, tokens: torch.Tensor) -> None:
         self.total += mean.detach().to(torch.float64) * tokens
         self.count += tokens
 
+    @override
     def compute(self) -> torch.Tensor:
         mean = (self.total / self.count.clamp(min=1)).to(torch.float32)
         return mean.clamp(max=700.0).exp() if self.exp else mean

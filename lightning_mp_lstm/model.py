@@ -16,11 +16,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from typing_extensions import override
 
 from lightning_mp_lstm.blocks import token_cross_entropy, without_autocast
 from lightning_mp_lstm.declaration import LSTMBlocks
 from lightning_mp_lstm.language_model import prediction_from_logits
 from lightning_mp_lstm.metrics import LanguageModelMetrics, perplexity
+from lightning_mp_lstm.validation import check_positive_int
 
 __all__ = ["OPTIMIZERS", "LSTMLanguageModel", "block_names", "perplexity", "prediction_from_logits",
            "token_loss_sum"]
@@ -84,8 +86,7 @@ class LSTMLanguageModel(pl.LightningModule):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("embedding_dim", embedding_dim),
                             ("hidden_size", hidden_size), ("num_layers", num_layers)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, value)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if tie_weights and embedding_dim != hidden_size:
@@ -141,6 +142,7 @@ class LSTMLanguageModel(pl.LightningModule):
                 parameter.copy_(torch.empty(parameter.shape).uniform_(-init_range, init_range, generator=generator))
 
     # ----- computation ----------------------------------------------------------------------------------------
+    @override
     def forward(self, tokens: torch.Tensor, state: list[Any] | None = None) -> tuple[torch.Tensor, list[Any]]:
         """Logits (B, T, V) of token ids (B, T), starting every layer from ``state`` (one ``(h, c)`` or ``None``
         per layer), and the state each layer ended with."""
@@ -163,21 +165,25 @@ class LSTMLanguageModel(pl.LightningModule):
         return token_loss_sum(logits, targets) / tokens.clamp(min=1), tokens
 
     # ----- Lightning hooks (one process; under mp_lstm the strategy runs the steps) ---------------------------
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss, tokens = self._loss(batch, "train")
         self.metrics.log(self, "train", loss.detach(), tokens, rows=int(batch[0].shape[0]))
         return loss
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss, tokens = self._loss(batch, "eval")
         self.metrics.log(self, "val", loss, tokens, rows=int(batch[0].shape[0]))
         return loss
 
+    @override
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss, tokens = self._loss(batch, "eval")
         self.metrics.log(self, "test", loss, tokens, rows=int(batch[0].shape[0]))
         return loss
 
+    @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
         """Per-token log-probability of each target and the most likely next token.
 
@@ -191,19 +197,24 @@ class LSTMLanguageModel(pl.LightningModule):
             self._state["eval"] = [(h.detach(), c.detach()) for h, c in ended]
         return prediction_from_logits(logits, batch[1])
 
+    @override
     def on_train_epoch_start(self) -> None:
         self.metrics.start_epoch()
         self._state.pop("train", None)
 
+    @override
     def on_validation_epoch_start(self) -> None:
         self._state.pop("eval", None)
 
+    @override
     def on_test_epoch_start(self) -> None:
         self._state.pop("eval", None)
 
+    @override
     def on_predict_epoch_start(self) -> None:
         self._state.pop("eval", None)
 
+    @override
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]

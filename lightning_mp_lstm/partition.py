@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from lightning_mp_lstm.validation import check_positive_int
+
 __all__ = [
     "PartitionError",
     "balanced_partition",
@@ -141,8 +143,7 @@ def _split_by_sizes(names: Sequence[str], sizes: Sequence[int]) -> list[list[str
 
 
 def _check_num_stages(num_stages: int, num_blocks: int) -> None:
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise PartitionError(f"num_stages must be a positive integer, got {num_stages!r}")
+    check_positive_int("num_stages", num_stages, PartitionError)
     if num_stages > num_blocks:
         raise PartitionError(
             f"cannot split {num_blocks} blocks into num_stages={num_stages} non-empty stages; "

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from typing_extensions import override
 
 from lightning_mp_lstm.blocks import TimeChunk
 from lightning_mp_lstm.timeline import RECORDER
@@ -30,6 +31,7 @@ class ContiguousGrad(torch.autograd.Function):
     """
 
     @staticmethod
+    @override
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
 
@@ -113,6 +115,7 @@ class StageModule(nn.Module):
         self.microbatch: int | None = None
         self._microbatch_context = microbatch_context or (lambda index: nullcontext())
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point() and x.requires_grad:
             x = ContiguousGrad.apply(x)
@@ -183,6 +186,7 @@ class Stage(PipelineStage):
     pass must neither draw dropout masks nor count as a non-finite output.
     """
 
+    @override
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         self.submod.inferring_shapes = True
         try:
@@ -191,30 +195,37 @@ class Stage(PipelineStage):
             self.submod.inferring_shapes = False
 
     # The timeline (lightning_mp_lstm.timeline): spans of computation, tags on the point-to-point operations.
+    @override
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self.submod.microbatch = fwd_chunk_id  # a model that carries state per microbatch reads it
         with RECORDER.span("forward", self.stage_index, fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
+    @override
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
         kind = "backward" if full_backward else "backward_input"
         with RECORDER.span(kind, self.stage_index, bwd_chunk_id):
             return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
 
+    @override
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with RECORDER.span("backward_weight", self.stage_index, bwd_chunk_id):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+    @override
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> Any:
         return RECORDER.tag(super().get_fwd_recv_ops(fwd_chunk_id), "recv", "forward", self.stage_index, fwd_chunk_id)
 
+    @override
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> Any:
         return RECORDER.tag(super().get_fwd_send_ops(fwd_chunk_id), "send", "forward", self.stage_index, fwd_chunk_id)
 
+    @override
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> Any:
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
         return RECORDER.tag(ops, "recv", "backward", self.stage_index, bwd_chunk_id)
 
+    @override
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> Any:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         return RECORDER.tag(ops, "send", "backward", self.stage_index, bwd_chunk_id)

@@ -12,7 +12,6 @@ Lightning's optimizer step. The module never holds the engine.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -44,7 +43,7 @@ from lightning_mp_lstm import report
 from lightning_mp_lstm.contract import PipelineModel, check_data
 from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.engine import PipelineEngine, ProcessGroups, build_engine
-from lightning_mp_lstm.faults import PeerDirectory, gather, object_group, result_from, setup_object_group
+from lightning_mp_lstm.faults import PeerDirectory, object_group, setup_object_group
 from lightning_mp_lstm.launcher import JobLauncher
 from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.metrics import LanguageModelMetrics
@@ -152,6 +151,7 @@ class MPLSTMStrategy(ParallelStrategy):
         self._full_state_keys: list[str] | None = None
         self._full_parameter_names: list[str] | None = None
         self._aliases: dict[str, str] = {}
+        self._checkpoints = ckpt.checkpoint_format(self._process.checkpoint_format)
         if self._process.fixed_world_size is not None:
             self._resolve_layout(self._process.fixed_world_size)
 
@@ -545,83 +545,51 @@ class MPLSTMStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Any:
         return nullcontext()
 
-    # ----- checkpoints -----------------------------------------------------------------------------------
+    # ----- checkpoints: delegated to the format (checkpoint.FileFormat or checkpoint.ShardedFormat) ---------------
+    @property
+    def _model_names(self) -> ckpt.ModelNames:
+        """The whole model's names, recorded before pruning: what a checkpoint holds."""
+        return ckpt.ModelNames(self._full_state_keys, self._full_parameter_names, self._aliases)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """One file: the full model's state dict on global rank 0 (empty elsewhere), gathered from all stages.
         Sharded: this process's own tensors (nothing is gathered)."""
-        local = self.lightning_module.state_dict()
-        if self._process.checkpoint_format == "sharded":
-            return local  # torch.distributed.checkpoint writes tensor-parallel shards as they are
-        parts = ckpt.gather_to_rank_zero(ckpt.full_tensors(local))  # one process's whole tensors
-        if parts is None:
-            return {}
-        merged = {k: v for part in parts for k, v in part.items()}
-        order = self._full_state_keys or list(merged)  # one process's order, whatever rank held which block
-        return {k: merged[k] for k in order if k in merged}
+        return self._checkpoints.model_state(self.lightning_module, self._model_names)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Name-keyed optimizer state: of every stage, merged on global rank 0 (one file), or this process's
         (sharded)."""
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        local = ckpt.optimizer_state_by_name(inner, self.lightning_module, self._aliases)
-        if self._process.checkpoint_format == "sharded":
-            return local
-        parts = ckpt.gather_to_rank_zero(ckpt.full_tensors(local))
-        return ckpt.merge_optimizer_states(parts, order=self._full_parameter_names) if parts is not None else {}
+        return self._checkpoints.optimizer_state(self.lightning_module, optimizer, self._model_names)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """One file: written on global rank 0, atomically (see
         :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`). Sharded: a directory every rank writes its own
         tensors to (:func:`~lightning_mp_lstm.checkpoint.save_sharded`). A failed write fails every rank."""
-        if self._process.checkpoint_format == "sharded":
-            names_only = [{"state": {}, "param_groups": s["param_groups"]} for s in checkpoint["optimizer_states"]]
-            every = gather(lambda: names_only)
-            groups = [ckpt.merge_optimizer_states([rank[i] for rank in every], order=self._full_parameter_names)[
-                "param_groups"] for i in range(len(names_only))]
-            ckpt.save_sharded(checkpoint, filepath, groups, on_rank_zero=lambda fn: result_from(0, fn))
-            return
-        io = self.checkpoint_io
-        result_from(0, lambda: io.save_checkpoint(checkpoint, filepath, storage_options=storage_options))
+        self._checkpoints.save(checkpoint, filepath, self.checkpoint_io, self._model_names, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint on every rank (one file or a sharded directory, whichever format wrote it); a truncated
         or foreign file gets a message naming it."""
-        if ckpt.is_sharded(checkpoint_path):
-            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-            return ckpt.load_sharded(checkpoint_path, self.lightning_module, optimizers, self._aliases)
-
-        def load(path: Any) -> Any:
-            return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-
-        return ckpt.read_checkpoint(checkpoint_path, load=load)
+        return self._checkpoints.load(checkpoint_path, self.lightning_module, self.optimizers, self.checkpoint_io,
+                                      weights_only, self._model_names)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove a checkpoint (a file or a sharded directory) on global rank 0."""
         if self.is_global_zero:
-            if ckpt.is_sharded(filepath):
-                shutil.rmtree(filepath)
-            else:
-                self.checkpoint_io.remove_checkpoint(filepath)
+            self._checkpoints.remove(filepath, self.checkpoint_io)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        module = self.lightning_module
-        own = ckpt.local_model_state(module, checkpoint["state_dict"], strict=strict, full_keys=self._full_state_keys)
-        module.load_state_dict(ckpt.shard_like_parameters(own, module), strict=strict)
+        self._checkpoints.load_model_state(self.lightning_module, checkpoint, strict, self._model_names)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        names = self._full_parameter_names or [name for name, _ in self.lightning_module.named_parameters()]
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            state = ckpt.name_keyed_optimizer_state(state, names)  # a one-process checkpoint is keyed by position
-            shards = ckpt.shard_like_parameters(state["state"], self.lightning_module, self._aliases, state=True)
-            ckpt.load_local_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self.lightning_module,
-                                            {**state, "state": shards}, self._aliases)
+        self._checkpoints.load_optimizer_state(self.lightning_module, self.optimizers, checkpoint, self._model_names)
 
     @override
     def teardown(self) -> None:

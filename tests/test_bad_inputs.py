@@ -100,7 +100,7 @@ CASES = [
          r"bucket lengths must be a non-empty list of positive integers, got \[0, 8\]"),
     Case("buckets: a word", ["buckets.lengths=fancy"],
          r"buckets must be a list of lengths, 'auto' or None, got 'fancy'"),
-    Case("buckets: no automatic bucket", ["buckets.num_buckets=0"], r"num_buckets must be >= 1, got 0"),
+    Case("buckets: no automatic bucket", ["buckets.num_buckets=0"], r"num_buckets must be a positive integer, got 0"),
     Case("buckets: unknown long-sentence policy", ["data.long_sentence_policy=chop"],
          r"unknown long_sentence_policy 'chop'; allowed: split, truncate, drop"),
     # ----- corpora
@@ -120,7 +120,7 @@ CASES = [
     Case("corpus: download for WikiText", ["data=wikitext", "data.path=/tmp", "+data.download=true"],
          r"download=True is only available for source='ptb'"),
     # ----- data sizes
-    Case("data: batch of 0", ["data.batch_size=0"], r"batch_size must be >= 1, got 0"),
+    Case("data: batch of 0", ["data.batch_size=0"], r"batch_size must be a positive integer, got 0"),
     Case("data: token budget below a bucket", ["data.batch_size=null", "data.max_tokens=10", "buckets=mxnet"],
          r"bucket of length \d+ allows only 0 sentences per global batch"),
     Case("data: fewer sentences than replicas", ["layout=dp2", "data.synthetic.num_train=1"],

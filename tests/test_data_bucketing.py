@@ -14,15 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from lightning_mp_lstm.data.bucketing import (
-    BucketBatchSampler,
-    BucketedDataset,
-    LMBatch,
-    auto_buckets,
-    collate_lm,
-    pad_batch_rows,
-    resolve_buckets,
-)
+from lightning_mp_lstm.data.batch import LMBatch, collate_lm
+from lightning_mp_lstm.data.buckets import BucketedDataset, auto_buckets, resolve_buckets
+from lightning_mp_lstm.data.sampler import BucketBatchSampler
 
 BOS = 2
 
@@ -252,17 +246,11 @@ def test_lightning_set_epoch_hook_reaches_sampler(dataset: BucketedDataset) -> N
 
 
 # ----------------------------------------------------------------- collation
-def test_collate_and_pad_rows(dataset: BucketedDataset) -> None:
+def test_collate(dataset: BucketedDataset) -> None:
     loader = DataLoader(dataset, batch_sampler=_sampler(dataset, batch_size=7), collate_fn=collate_lm)
     batch = next(iter(loader))
     assert isinstance(batch, LMBatch) and batch.inputs.dtype == torch.int64
     assert batch.inputs.shape[1] in dataset.buckets
-    padded = pad_batch_rows(batch, 4)
-    assert padded.inputs.shape[0] % 4 == 0 and padded.inputs.shape[0] - batch.inputs.shape[0] < 4
-    assert torch.equal(padded.inputs[: batch.inputs.shape[0]], batch.inputs)
-    assert not padded.inputs[batch.inputs.shape[0] :].any() and not padded.targets[batch.inputs.shape[0] :].any()
-    exact = LMBatch(torch.ones(8, 3, dtype=torch.long), torch.ones(8, 3, dtype=torch.long))
-    assert pad_batch_rows(exact, 4) is exact
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
     moved = move_data_to_device(batch, torch.device("cpu"))
@@ -280,7 +268,9 @@ def test_padding_does_not_change_the_loss() -> None:
 
     sents = _sentences(9, seed=5, max_len=10, vocab=vocab)
     ds = BucketedDataset(sents, [10])
-    batch = pad_batch_rows(collate_lm([ds[i] for i in range(len(ds))]), 4)  # 3 extra all-pad rows
+    real = collate_lm([ds[i] for i in range(len(ds))])
+    empty = torch.zeros(3, 10, dtype=torch.long)  # 3 extra all-pad rows, as a pipeline adds to fill its microbatches
+    batch = LMBatch(torch.cat([real.inputs, empty]), torch.cat([real.targets, empty]))
     with torch.no_grad():
         lg = logits(batch.inputs)
         n_real = int((batch.targets != 0).sum())
@@ -319,7 +309,7 @@ def test_global_batch_smaller_than_replicas_raises_instead_of_hanging() -> None:
 
 @pytest.mark.timeout(10)
 def test_split_counts_refuses_more_replicas_than_items() -> None:
-    from lightning_mp_lstm.data.bucketing import _split_counts
+    from lightning_mp_lstm.data.sampler import _split_counts
 
     with pytest.raises(ValueError, match="each of 2 replicas at least one of 1"):
         _split_counts(1, np.ones(2))

@@ -301,7 +301,7 @@ def test_unshareable_eval_batch_size_fails_at_setup() -> None:
 
 
 def test_setup_checks_the_samplers_of_its_stage_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_mp_lstm.data.datamodule as module
+    import lightning_mp_lstm.data.loaders as module  # where LMDataModule builds its batch samplers
 
     built: list[tuple[int, bool]] = []
 

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMBlocks, ModelDeclarationError, MPLSTMStrategy
+from lightning_mp_lstm.engine import PipelineEngine
 from tests.helpers import (
     Gradients,
     TrainLosses,
@@ -147,7 +148,9 @@ def _fit(model_name: str, strategy, devices: int, save: Path | None = None) -> d
     trainer.fit(model, datamodule=StreamData())
     if save is not None:
         trainer.save_checkpoint(save)
-    return {"losses": losses.values, "grads": grads.steps, "params": parameters_of(model)}
+    # Ownership runs one way: the strategy holds the engine, the module never does.
+    holds_engine = any(isinstance(value, PipelineEngine) for value in vars(model).values())
+    return {"losses": losses.values, "grads": grads.steps, "params": parameters_of(model), "holds_engine": holds_engine}
 
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, dict]], directory: str) -> list[dict]:
@@ -179,6 +182,7 @@ def test_own_models_on_two_processes_equal_one_plain_process(references, tmp_pat
     per_rank = run_ranks(_worker, 2, RUNS_2, str(tmp_path), timeout=280)
     for index, (name, _) in enumerate(RUNS_2):
         assert_same_training([rank[index] for rank in per_rank], references[name], STEPS)
+        assert not any(rank[index]["holds_engine"] for rank in per_rank)
     # The pp2 checkpoint is the plain module's: it loads strictly and holds the one-process run's parameters.
     for name, cls in MODELS.items():
         plain = cls()

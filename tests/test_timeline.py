@@ -116,3 +116,32 @@ def test_with_replicas_every_rank_gets_its_own_rows(tmp_path):
     labels = [t.get_text() for t in figure.axes[0].get_yticklabels()]
     assert labels == ["stage 0 (rank 0)", "stage 1 (rank 1)", "stage 0 (rank 2)", "stage 1 (rank 3)"]
     assert (tmp_path / "dp.png").stat().st_size > 0
+
+
+def test_a_torch_without_the_private_p2p_functions_is_named_clearly(monkeypatch):
+    from torch.distributed.pipelining import schedules
+
+    from lightning_mp_lstm.timeline import UnsupportedTorchError
+    from lightning_mp_lstm.timeline.torch_p2p import TORCH_CHECKED, require
+
+    assert require() is schedules
+    monkeypatch.delattr(schedules, "_wait_batch_p2p")
+    with pytest.raises(UnsupportedTorchError, match=r"_wait_batch_p2p.*torch 2\.13") as raised:
+        require()
+    assert TORCH_CHECKED == "2.13" and torch.__version__ in str(raised.value)
+    with pytest.raises(UnsupportedTorchError):  # the callback fails before training, not at a recorded step
+        PipelineTimeline(steps=(1,)).setup(None, None, "fit")
+
+
+def test_torch_schedules_get_their_functions_back_after_a_step():
+    from torch.distributed.pipelining import schedules
+
+    from lightning_mp_lstm.timeline import Recorder
+
+    originals = (schedules._batch_p2p, schedules._wait_batch_p2p)
+    recorder = Recorder()
+    for end in (recorder.stop, recorder.abort):
+        recorder.start(torch.device("cpu"))
+        assert recorder.active and (schedules._batch_p2p, schedules._wait_batch_p2p) != originals
+        end()
+        assert not recorder.active and (schedules._batch_p2p, schedules._wait_batch_p2p) == originals

@@ -4,20 +4,13 @@ Importing this package is cheap: nothing is read, downloaded or generated
 until a function is called or :meth:`LMDataModule.setup` runs.
 """
 
-from lightning_mp_lstm.data.bucketing import (
-    LONG_SENTENCE_POLICIES,
-    BucketBatchSampler,
-    BucketedDataset,
-    LMBatch,
-    ResumableDataLoader,
-    auto_buckets,
-    collate_lm,
-    pad_batch_rows,
-    resolve_buckets,
-)
+from lightning_mp_lstm.data.batch import LMBatch, collate_lm
+from lightning_mp_lstm.data.buckets import LONG_SENTENCE_POLICIES, BucketedDataset, auto_buckets, resolve_buckets
 from lightning_mp_lstm.data.corpus import CorpusError, read_sentences, resolve_split_paths
 from lightning_mp_lstm.data.datamodule import LMDataModule
 from lightning_mp_lstm.data.download import PTB_BASE_URL, PTB_SHA256, download_ptb
+from lightning_mp_lstm.data.resumable import ResumableDataLoader
+from lightning_mp_lstm.data.sampler import BucketBatchSampler
 from lightning_mp_lstm.data.synthetic import SyntheticLanguage, synthetic_splits
 from lightning_mp_lstm.data.vocab import Vocabulary
 
@@ -36,7 +29,6 @@ __all__ = [
     "auto_buckets",
     "collate_lm",
     "download_ptb",
-    "pad_batch_rows",
     "read_sentences",
     "resolve_buckets",
     "resolve_split_paths",

@@ -1,4 +1,10 @@
-"""Lightning data module for word-level language modelling with length buckets."""
+"""The Lightning data module for word-level language modelling with length buckets.
+
+:class:`LMDataModule` ties the data layer together for a trainer: it reads a corpus
+(:mod:`~lightning_mp_lstm.data.sources`), builds the vocabulary, the bucketed datasets or token streams, and
+hands the trainer sharded, resumable loaders (:mod:`~lightning_mp_lstm.data.loaders`); its checkpoint state is
+the vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -6,104 +12,73 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
-from lightning_mp_lstm.data.bucketing import (
-    LONG_SENTENCE_POLICIES,
-    BucketBatchSampler,
-    BucketedDataset,
-    ResumableDataLoader,
-    collate_lm,
-    resolve_buckets,
-)
-from lightning_mp_lstm.data.corpus import SPLITS, read_sentences, resolve_split_paths
+from lightning_mp_lstm.data.buckets import BucketedDataset, resolve_buckets
+from lightning_mp_lstm.data.corpus import SPLITS
 from lightning_mp_lstm.data.download import download_ptb
-from lightning_mp_lstm.data.loop_state import align_restored_fit_loop
+from lightning_mp_lstm.data.loaders import STAGE_LOADERS, batch_sampler, data_parallel_layout, resumable_loader
+from lightning_mp_lstm.data.options import MODES, check_options
+from lightning_mp_lstm.data.sampler import BucketBatchSampler
+from lightning_mp_lstm.data.sources import SOURCES, file_sentences, ptb_download_dir, synthetic_sentences
 from lightning_mp_lstm.data.stream import TokenStream
-from lightning_mp_lstm.data.synthetic import DEFAULT_SPLIT_SIZES, SyntheticLanguage
+from lightning_mp_lstm.data.synthetic import SyntheticLanguage
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 
-__all__ = ["SOURCES", "LMDataModule"]
+__all__ = ["MODES", "SOURCES", "LMDataModule"]
 
 log = logging.getLogger("lightning_mp_lstm.data")
-
-#: Allowed values of ``source``.
-SOURCES: tuple[str, ...] = ("synthetic", "ptb", "wikitext", "text")
-#: How batches are formed: bucketed independent sentences, or windows of one continuous token stream.
-MODES: tuple[str, ...] = ("sentences", "stream")
-
-_DEFAULT_CACHE = "~/.cache/lightning_mp_lstm"
-_SPLIT_SIZE_KEYS = {"num_train": "train", "num_valid": "valid", "num_test": "test"}
-#: The ``(split, train)`` loaders a Lightning stage uses: :meth:`LMDataModule.setup` checks their samplers.
-_STAGE_LOADERS: dict[str, tuple[tuple[str, bool], ...]] = {
-    "fit": (("train", True), ("valid", False)),
-    "validate": (("valid", False),),
-    "test": (("test", False),),
-    "predict": (("test", False),),
-}
 
 
 class LMDataModule(pl.LightningDataModule):
     """Word-level language-modelling data: corpus reading, vocabulary, buckets, loaders.
 
-    ``setup`` is idempotent and may be called before the trainer exists (for
-    example to learn :attr:`vocab_size` before building the model). The
-    vocabulary is built from the training split only, unless one was restored
-    with :meth:`load_state_dict` (Lightning does this when resuming from a
-    checkpoint; the restored vocabulary then replaces any built one).
+    ``setup`` is idempotent and may be called before the trainer exists (for example to learn :attr:`vocab_size`
+    before building the model). The vocabulary is built from the training split only, unless one was restored with
+    :meth:`load_state_dict` (Lightning does this when resuming from a checkpoint; the restored vocabulary then
+    replaces any built one).
 
-    Data-parallel sharding is read when a dataloader is created: from
-    ``trainer.strategy.distributed_sampler_kwargs`` (``num_replicas``/``rank``;
-    absent or ``None`` means one replica) and the optional
-    ``trainer.strategy.data_parallel_weights``. ``batch_size``/``max_tokens``
-    bound the *global* batch over all replicas; each replica gets its
-    contiguous share (see :class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler`).
-    Validation and test data are sharded the same way, without shuffling.
-    With a trainer attached, :meth:`setup` builds the batch samplers of the
-    splits its stage uses, so a batch size or token budget that cannot be
-    shared by the replicas fails before training starts.
+    ``batch_size``/``max_tokens`` bound the *global* batch over all data-parallel replicas; each replica gets its
+    contiguous share, the layout being read from the trainer's strategy when a loader is made (see
+    :mod:`~lightning_mp_lstm.data.loaders` and :class:`~lightning_mp_lstm.data.sampler.BucketBatchSampler`).
+    Validation and test data are sharded the same way, without shuffling. With a trainer attached, :meth:`setup`
+    builds the batch samplers of the splits its stage uses, so a batch size or token budget that cannot be shared
+    by the replicas fails before training starts.
 
-    **Resuming.** The loaders are
-    :class:`~lightning_mp_lstm.data.bucketing.ResumableDataLoader`: Lightning
-    saves the training position (epoch and global batches consumed, as
-    counted by its fit loop) in every checkpoint and a resumed ``fit``
-    continues with the next batch of the interrupted epoch, also with another
-    number of data-parallel replicas; a mid-epoch checkpoint needs the same
-    data, buckets, batch size / token budget and seed. This holds for every
-    way of saving, also ``trainer.save_checkpoint`` after ``fit`` returned at
-    ``max_steps`` inside an epoch, which Lightning records as a finished
-    epoch: when the fit loop asks for the training loader of a resumed
-    ``fit``, the data module makes the restored loop state agree with the
-    data position (see :mod:`lightning_mp_lstm.data.loop_state`).
+    **Resuming.** The loaders are :class:`~lightning_mp_lstm.data.resumable.ResumableDataLoader`: Lightning saves
+    the training position (epoch and global batches consumed, as counted by its fit loop) in every checkpoint and a
+    resumed ``fit`` continues with the next batch of the interrupted epoch, also with another number of
+    data-parallel replicas; a mid-epoch checkpoint needs the same data, buckets, batch size / token budget and seed.
+    This holds for every way of saving, also ``trainer.save_checkpoint`` after ``fit`` returned at ``max_steps``
+    inside an epoch, which Lightning records as a finished epoch: when the fit loop asks for the training loader of
+    a resumed ``fit``, the data module makes the restored loop state agree with the data position (see
+    :mod:`lightning_mp_lstm.data.loop_state`).
 
     Args:
-        source: ``"synthetic"`` (embedded, needs no files), ``"ptb"``,
-            ``"wikitext"`` or ``"text"`` (any line-based corpus).
+        source: ``"synthetic"`` (embedded, needs no files), ``"ptb"``, ``"wikitext"`` or ``"text"`` (any line-based
+            corpus).
         path: Corpus directory (usual split file names) or a file.
         train: Explicit training file (overrides ``path``).
         valid: Explicit validation file (overrides ``path``).
         test: Explicit test file (overrides ``path``).
-        download: ``source="ptb"`` only: download PTB into ``<cache_dir>/ptb`` in
-            :meth:`prepare_data` (used when ``path`` is not given).
+        download: ``source="ptb"`` only: download PTB into ``<cache_dir>/ptb`` in :meth:`prepare_data` (used when
+            ``path`` is not given).
         cache_dir: Cache root (default ``~/.cache/lightning_mp_lstm``).
-        synthetic: ``source="synthetic"`` only: :class:`SyntheticLanguage`
-            keyword arguments plus ``num_train``/``num_valid``/``num_test``
-            (defaults :data:`DEFAULT_SPLIT_SIZES`); the language ``seed``
-            defaults to ``seed``.
+        synthetic: ``source="synthetic"`` only: :class:`~lightning_mp_lstm.data.synthetic.SyntheticLanguage`
+            keyword arguments plus ``num_train``/``num_valid``/``num_test`` (defaults
+            :data:`~lightning_mp_lstm.data.synthetic.DEFAULT_SPLIT_SIZES`); the language ``seed`` defaults to ``seed``.
         min_freq: Minimum training frequency of a vocabulary word.
         max_vocab_size: Maximum vocabulary size including special tokens.
-        buckets: Bucket lengths, ``"auto"`` (minimal padding, see
-            :func:`~lightning_mp_lstm.data.bucketing.auto_buckets`), or
-            ``None`` (pad to the longest sentence).
+        buckets: Bucket lengths, ``"auto"`` (minimal padding, see :func:`~lightning_mp_lstm.data.buckets.auto_buckets`),
+            or ``None`` (pad to the longest sentence).
         num_auto_buckets: Number of buckets for ``"auto"`` (``None``: 5).
-        long_sentence_policy: ``"split"``, ``"truncate"`` or ``"drop"`` for
-            sentences longer than the largest bucket.
+        long_sentence_policy: ``"split"``, ``"truncate"`` or ``"drop"`` for sentences longer than the largest bucket.
         batch_size: Sentences per global training batch.
         max_tokens: Tokens (sentences x bucket length) per global batch.
         eval_batch_size: Sentences per global evaluation batch (default ``batch_size``).
@@ -153,34 +128,9 @@ class LMDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
-        if isinstance(bptt, bool) or not isinstance(bptt, int) or bptt < 1:
-            raise ValueError(f"bptt must be a positive integer, got {bptt!r}")
-        if mode == "stream" and (batch_size is None or max_tokens is not None):
-            raise ValueError(
-                f"mode='stream' cuts the stream into batch_size rows: give batch_size and no max_tokens "
-                f"(got batch_size={batch_size}, max_tokens={max_tokens})"
-            )
-        if source not in SOURCES:
-            raise ValueError(f"unknown data source {source!r}; expected one of {', '.join(SOURCES)}")
-        if long_sentence_policy not in LONG_SENTENCE_POLICIES:
-            raise ValueError(
-                f"unknown long_sentence_policy {long_sentence_policy!r}; "
-                f"allowed: {', '.join(LONG_SENTENCE_POLICIES)}"
-            )
-        if batch_size is None and max_tokens is None:
-            raise ValueError("give batch_size and/or max_tokens")
-        if isinstance(buckets, str) and buckets != "auto":
-            raise ValueError(f"buckets must be a list of lengths, 'auto' or None, got {buckets!r}")
-        if synthetic and source != "synthetic":
-            raise ValueError(f"'synthetic' options given but source is {source!r}")
-        if source == "synthetic" and (path or train or valid or test or download):
-            raise ValueError("source='synthetic' takes no files; set source to 'ptb', 'wikitext' or 'text'")
-        if source != "synthetic" and not (path or train or valid or test or download):
-            raise ValueError(f"source={source!r} needs a path (directory), explicit train/valid/test files or download")
-        if download and source != "ptb":
-            raise ValueError("download=True is only available for source='ptb'")
+        check_options(source=source, path=path, train=train, valid=valid, test=test, download=download,
+                      synthetic=synthetic, buckets=buckets, long_sentence_policy=long_sentence_policy,
+                      batch_size=batch_size, max_tokens=max_tokens, mode=mode, bptt=bptt)
         self.source = source
         self.path = path
         self.train_path, self.valid_path, self.test_path = train, valid, test
@@ -215,45 +165,31 @@ class LMDataModule(pl.LightningDataModule):
         self.long_sentence_counts: dict[str, int] = {}
 
     # ------------------------------------------------------------ data files
-    def _ptb_download_dir(self) -> Path:
-        return Path(self.cache_dir or _DEFAULT_CACHE).expanduser() / "ptb"
-
+    @override
     def prepare_data(self) -> None:
         """Download PTB when ``download=True`` (called by Lightning on one process per node)."""
         if self.download and self.path is None:
-            download_ptb(self._ptb_download_dir())
+            download_ptb(ptb_download_dir(self.cache_dir))
 
     def _load_sentences(self) -> dict[str, list[list[str]]]:
         if self.source == "synthetic":
-            opts = dict(self.synthetic_options)
-            sizes = {split: int(opts.pop(key, DEFAULT_SPLIT_SIZES[split])) for key, split in _SPLIT_SIZE_KEYS.items()}
-            opts.setdefault("seed", self.seed)
-            self._language = SyntheticLanguage(**opts)
-            return {split: self._language.sample(sizes[split], seed=i + 1) for i, split in enumerate(SPLITS)}
+            self._language, sentences = synthetic_sentences(self.synthetic_options, self.seed)
+            return sentences
         path = self.path
         if path is None and self.download:
-            path = os.fspath(self._ptb_download_dir())
-        files = resolve_split_paths(
-            path,
-            self.train_path,
-            self.valid_path,
-            self.test_path,
-            single_file_for_all_splits=self.single_file_for_all_splits,
-        )
-        fmt = {"ptb": "ptb", "wikitext": "wikitext"}.get(self.source, "text")
-        return {split: read_sentences(files[split], fmt=fmt) for split in SPLITS}
+            path = os.fspath(ptb_download_dir(self.cache_dir))
+        return file_sentences(self.source, path, self.train_path, self.valid_path, self.test_path,
+                              single_file_for_all_splits=self.single_file_for_all_splits)
 
     # ------------------------------------------------------------------ setup
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Read the corpus and build the vocabulary (idempotent).
 
-        With a trainer attached, also build the batch samplers of the splits
-        ``stage`` uses (``fit``: train and valid; ``validate``: valid;
-        ``test``/``predict``: test) for the trainer's data-parallel layout,
-        so that an unusable batch size or token budget (see
-        :class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler`) raises
-        here rather than when its loader is first requested. Each check runs
-        once per layout.
+        With a trainer attached, also build the batch samplers of the splits ``stage`` uses (``fit``: train and
+        valid; ``validate``: valid; ``test``/``predict``: test) for the trainer's data-parallel layout, so that an
+        unusable batch size or token budget (see :class:`~lightning_mp_lstm.data.sampler.BucketBatchSampler`)
+        raises here rather than when its loader is first requested. Each check runs once per layout.
 
         Args:
             stage: Lightning stage (all splits are read once, whatever the stage).
@@ -272,9 +208,9 @@ class LMDataModule(pl.LightningDataModule):
             self._set_vocab(
                 Vocabulary.build(self._sentences["train"], min_freq=self.min_freq, max_size=self.max_vocab_size)
             )
-        if getattr(self, "trainer", None) is not None and stage in _STAGE_LOADERS:
+        if getattr(self, "trainer", None) is not None and stage in STAGE_LOADERS:
             replicas = self._replicas()
-            for split, train in _STAGE_LOADERS[stage]:
+            for split, train in STAGE_LOADERS[stage]:
                 key = (split, train, replicas[0], replicas[1], tuple(replicas[2] or ()))
                 if key not in self._checked_samplers:
                     self._batch_sampler(split, train)
@@ -319,8 +255,7 @@ class LMDataModule(pl.LightningDataModule):
 
         Args:
             split: Split name.
-            min_bucket_size: Minimum examples per non-empty bucket (the number
-                of data-parallel replicas).
+            min_bucket_size: Minimum examples per non-empty bucket (the number of data-parallel replicas).
 
         Returns:
             The (cached) dataset.
@@ -344,15 +279,9 @@ class LMDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------ dataloaders
     def _replicas(self) -> tuple[int, int, list[float] | None]:
-        trainer = getattr(self, "trainer", None)
-        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
-        num_replicas, rank = 1, 0
-        if kwargs:
-            num_replicas = int(kwargs.get("num_replicas", 1))
-            rank = int(kwargs.get("rank", 0))
-        weights = getattr(strategy, "data_parallel_weights", None) if strategy is not None else None
-        return num_replicas, rank, (list(weights) if weights is not None else None)
+        """``(num_replicas, rank, replica_weights)`` of the trainer's strategy (see
+        :func:`~lightning_mp_lstm.data.loaders.data_parallel_layout`)."""
+        return data_parallel_layout(getattr(self, "trainer", None))
 
     def stream(self, split: str, rows: int) -> TokenStream:
         """``split`` as a token stream of ``rows`` rows (``mode="stream"``)."""
@@ -369,72 +298,38 @@ class LMDataModule(pl.LightningDataModule):
         """``split``'s dataset and a new batch sampler for the trainer's data-parallel layout (this validates
         the batch size and token budget)."""
         self.setup()
-        num_replicas, rank, weights = self._replicas()
+        layout = self._replicas()
         batch_size = self.batch_size if train else (self.eval_batch_size or self.batch_size)
         stream = self.mode == "stream"
         # A stream: one global batch per window ("bucket"), in order, each replica its contiguous rows.
-        ds = self.stream(split, batch_size) if stream else self.dataset(split, min_bucket_size=num_replicas)
-        try:
-            sampler = BucketBatchSampler(
-                ds.bucket_indices,
-                ds.buckets,
-                batch_size=batch_size,
-                max_tokens=self.max_tokens,
-                shuffle=self.shuffle and train and not stream,
-                seed=self.seed,
-                num_replicas=num_replicas,
-                rank=rank,
-                replica_weights=weights,
-            )
-        except ValueError as err:
-            which = "eval_batch_size" if not train and self.eval_batch_size else "batch_size"
-            settings = [f"{which}={batch_size}"] if batch_size is not None else []
-            if self.max_tokens is not None:
-                settings.append(f"max_tokens={self.max_tokens}")
-            raise ValueError(f"{split} split ({', '.join(settings)}): {err}") from err
-        return ds, sampler
+        ds = self.stream(split, batch_size) if stream else self.dataset(split, min_bucket_size=layout[0])
+        which = "eval_batch_size" if not train and self.eval_batch_size else "batch_size"
+        shuffle = self.shuffle and train and not stream
+        return ds, batch_sampler(ds, split, batch_size, which, self.max_tokens, shuffle, self.seed, layout)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
+        """``split``'s resumable loader for the trainer: the training loader also makes a fit loop just restored
+        from a checkpoint agree with the data position (see
+        :func:`~lightning_mp_lstm.data.loaders.resumable_loader`)."""
         ds, sampler = self._batch_sampler(split, train)
-        trainer = getattr(self, "trainer", None)
-        consumed = None
-        if trainer is not None:
-            fit_loop = getattr(trainer, "fit_loop", None)
-            if train and fit_loop is not None:
-                # Lightning asks for the training loader of a resumed fit after restoring its loops and before it
-                # loads the loader's saved position and resets them: make the loops agree with that position.
-                align_restored_fit_loop(fit_loop)
-                # The epoch this loader will serve. When resuming from a checkpoint saved at the end of epoch e,
-                # trainer.current_epoch is still e while Lightning creates the loader (it advances later), and
-                # with DataLoader workers the iterator Lightning creates right away would shuffle with it.
-                sampler.set_epoch(fit_loop.epoch_progress.current.processed)
+        return resumable_loader(ds, sampler, getattr(self, "trainer", None), train, self.num_workers)
 
-                def consumed() -> int:  # batches of the current epoch the training loop has taken
-                    return trainer.fit_loop.epoch_loop.batch_progress.current.ready
-
-            else:
-                sampler.set_epoch(trainer.current_epoch)
-        return ResumableDataLoader(
-            ds,
-            batch_sampler=sampler,
-            collate_fn=collate_lm,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            consumed=consumed,
-        )
-
+    @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled, bucketed training batches (this replica's share)."""
         return self._loader("train", train=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         """Bucketed validation batches in a fixed order."""
         return self._loader("valid", train=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         """Bucketed test batches in a fixed order."""
         return self._loader("test", train=False)
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         """Same as :meth:`test_dataloader` (prediction runs on the test split)."""
         return self._loader("test", train=False)
@@ -489,9 +384,8 @@ class LMDataModule(pl.LightningDataModule):
     def unigram_perplexity(self) -> float:
         """Perplexity of a unigram baseline.
 
-        Synthetic data: exact, ``exp`` of the source's marginal token entropy.
-        Files: a unigram model estimated on the encoded training split (add-one
-        smoothing over the vocabulary, ``<pad>`` excluded) evaluated on the
+        Synthetic data: exact, ``exp`` of the source's marginal token entropy. Files: a unigram model estimated on
+        the encoded training split (add-one smoothing over the vocabulary, ``<pad>`` excluded) evaluated on the
         encoded validation split.
         """
         if self._unigram_ppl is None:
@@ -509,10 +403,12 @@ class LMDataModule(pl.LightningDataModule):
         return self._unigram_ppl
 
     # ------------------------------------------------------------ checkpoints
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint state: the vocabulary (empty before setup)."""
         return {"vocab": self._vocab.state_dict()} if self._vocab is not None else {}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the vocabulary from a checkpoint; later encoding uses it (the checkpoint's vocabulary is the
         one its model learned, so it replaces one built from the data, with a warning when they differ)."""

@@ -6,7 +6,7 @@ batches are consecutive windows of ``bptt`` tokens of every row; the model carri
 from one window to the next (``LSTMLanguageModel(carry_state=True)``).
 
 Each example is one row of one window; window ``k`` is "bucket" ``k`` of length ``len(window k)``, so the
-:class:`~lightning_mp_lstm.data.bucketing.BucketBatchSampler` (one global batch per window, no shuffling) shards
+:class:`~lightning_mp_lstm.data.sampler.BucketBatchSampler` (one global batch per window, no shuffling) shards
 rows over data-parallel replicas and saves and restores the position exactly as it does for sentences.
 """
 
@@ -17,6 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from typing_extensions import override
+
+from lightning_mp_lstm.validation import check_positive_int
 
 __all__ = ["TokenStream"]
 
@@ -31,13 +34,13 @@ class TokenStream(Dataset):
         bptt: tokens per window (the last window of an epoch may be shorter).
 
     Raises:
-        ValueError: for ``rows`` or ``bptt`` below 1, or a stream too short for one window of ``rows`` rows.
+        ValueError: for ``rows`` or ``bptt`` not a positive integer, or a stream too short for one window of
+            ``rows`` rows.
     """
 
     def __init__(self, sentences: Sequence[Sequence[int]], eos_id: int, rows: int, bptt: int) -> None:
-        for name, value in (("rows", rows), ("bptt", bptt)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int("rows", rows)
+        check_positive_int("bptt", bptt)
         stream = np.concatenate([np.asarray([eos_id], dtype=np.int64),
                                  *(np.asarray(s, dtype=np.int64) for s in sentences)])
         columns = stream.size // rows
@@ -58,6 +61,7 @@ class TokenStream(Dataset):
     def __len__(self) -> int:
         return int(self.bucket_indices.size)
 
+    @override
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         window, row = divmod(int(index), self.rows)
         start, length = self._starts[window], self.buckets[window]

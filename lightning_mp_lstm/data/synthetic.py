@@ -20,7 +20,7 @@ The language is a *hidden-class* language:
   lengths spread roughly from 3 to 60 tokens like natural text and are clipped
   to ``max_length`` tokens (including ``<eos>``).
 
-Language-model convention (shared with :mod:`lightning_mp_lstm.data.bucketing`):
+Language-model convention (shared with :mod:`lightning_mp_lstm.data.batch`):
 a sentence ``[w1 .. wn, <eos>]`` is fed as input ``[<eos>, w1 .. wn]`` with
 target ``[w1 .. wn, <eos>]``, so every word and the end of the sentence are
 predicted given the full sentence prefix. All entropies below are in nats per
@@ -33,6 +33,8 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from lightning_mp_lstm.validation import check_positive_int
 
 __all__ = ["DEFAULT_SPLIT_SIZES", "SyntheticLanguage", "synthetic_splits"]
 
@@ -97,8 +99,7 @@ class SyntheticLanguage:
         max_length: int = 60,
         end_class_strength: float = 0.5,
     ) -> None:
-        if num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        check_positive_int("num_classes", num_classes)
         if vocab_size < num_classes:
             raise ValueError(f"vocab_size ({vocab_size}) must be >= num_classes ({num_classes})")
         if not 2 <= min_length <= max_length:

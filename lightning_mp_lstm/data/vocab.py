@@ -6,6 +6,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from lightning_mp_lstm.validation import check_positive_int
+
 __all__ = ["EOS", "PAD", "UNK", "Vocabulary"]
 
 PAD = "<pad>"
@@ -65,10 +67,9 @@ class Vocabulary:
             The vocabulary.
 
         Raises:
-            ValueError: If ``min_freq < 1`` or ``max_size < 3``.
+            ValueError: If ``min_freq`` is not a positive integer or ``max_size < 3``.
         """
-        if min_freq < 1:
-            raise ValueError(f"min_freq must be >= 1, got {min_freq}")
+        check_positive_int("min_freq", min_freq)
         if max_size is not None and max_size < len(_SPECIALS):
             raise ValueError(f"max_size must be >= {len(_SPECIALS)} (the special tokens), got {max_size}")
         counts: Counter[str] = Counter()
