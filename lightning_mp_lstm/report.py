@@ -158,7 +158,8 @@ def axes(plan: PipelinePlan) -> list[str]:
     lines = [f"axes: rows x time chunks = {m} x {k} = {units} units; bubble (S-1)/(units+S-1) = "
              f"{(stages - 1) / (units + stages - 1):.1%} with S={stages}"]
     if not plan.unit_predictions or not plan.chunk_costs:
-        return lines
+        return lines + [f"axis chosen by the options: n_microbatches={m}, time_chunks={k} as given "
+                        "(time_chunks='auto' measures both axes on this device and takes the fastest pair)"]
     by_pair = {(a, b): t for a, b, t in plan.unit_predictions}
     chosen = by_pair[(m, k)]
     rows_only = min(((a, t) for (a, b), t in by_pair.items() if b == 1), key=lambda x: x[1], default=None)

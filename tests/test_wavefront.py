@@ -118,6 +118,15 @@ def test_auto_weighs_rows_against_chunks_with_the_step_model(monkeypatch):
     assert "auto chose m=1 x k=3: predicted" in text and "why: on this device" in text and "m=2: 1.09x" in text
 
 
+def test_report_says_the_axes_came_from_the_options_when_not_auto():
+    layout = ParallelLayout(1, 2, 1, "Wavefront", 2, time_chunks=4)
+    plan = make_plan(tiny_model(num_layers=2), layout, PlanOptions(), 8, 12, CPU)
+    assert plan.unit_predictions is None and (plan.n_microbatches, plan.layout.time_chunks) == (2, 4)
+    text = report.render(plan)
+    assert "axes: rows x time chunks = 2 x 4 = 8 units; bubble (S-1)/(units+S-1) = 11.1% with S=2" in text
+    assert "axis chosen by the options: n_microbatches=2, time_chunks=4 as given" in text
+
+
 def test_advice_prefers_time_chunks_when_rows_cost_nothing(monkeypatch):
     """The GPU curve (a block's time flat in rows, linear in length): a batch-split pipeline pays the whole batch's
     time per microbatch, a wavefront pipeline a chunk's."""
