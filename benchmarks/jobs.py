@@ -168,7 +168,7 @@ def advice_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any
     cores = job["cores"]
     calibration = calibrate(model, job["rows"], length, cpu, threads=(cores,))
     candidates = advise(model, job["devices"], job["rows"], length, cpu, calibration, schedule="1F1B", cores=cores,
-                        max_microbatches=job["max_microbatches"])
+                        max_microbatches=job["max_microbatches"], time_chunks=())  # no wavefront row to compare with
     return {"calibration": asdict(calibration), "candidates": [asdict(c) for c in candidates], "length": length}
 
 
