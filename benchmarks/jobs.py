@@ -61,6 +61,13 @@ def _fixed_data(vocab_size: int, rows: int, length: int, batches: int) -> Any:
     return FixedData()
 
 
+def _peak_mib() -> float:
+    """This process's peak resident memory so far, MiB (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
     """One ``Trainer.fit`` with ``MPLSTMStrategy``.
 
@@ -69,12 +76,15 @@ def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
         world_size: the number of processes.
         job: ``data``, ``model`` (keyword arguments), ``strategy`` (options), ``batches`` (steps); optionally
             ``measure_step`` (when the strategy times the stages), ``timeline`` (steps to record), ``picture``
-            (where rank 0 draws the last recorded step) and ``padding`` (report the split's padded fraction).
+            (where rank 0 draws the last recorded step), ``padding`` (report the split's padded fraction) and
+            ``memory`` (report this process's peak RSS before and after training: the job must be the first in
+            fresh processes, since a peak never goes down).
 
     Returns:
         When every step started and ended; the real (non-padding target) and padded tokens of this rank's
         batches and the data-parallel replica they belong to (:func:`merge` makes them global); the partition,
-        the number of microbatches, the stage times measured on their own ranks and the timeline's records.
+        the number of microbatches and of time chunks, the stage times measured on their own ranks and the
+        timeline's records; with ``memory``, ``floor_mib`` and ``peak_mib``.
     """
     import lightning.pytorch as pl
     import torch
@@ -104,6 +114,7 @@ def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
             self.padded.append(int(batch[0].numel()))
 
     data = _datamodule(job["data"])
+    floor = _peak_mib()
     strategy = MPLSTMStrategy(report_after_steps=job.get("measure_step"), timeout=600.0, **job["strategy"])
     steps = Steps()
     callbacks: list[pl.Callback] = [steps]
@@ -123,12 +134,14 @@ def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
     measured = strategy.measurements
     out = {"starts": steps.starts, "ends": steps.ends, "tokens": steps.tokens, "padded": steps.padded,
            "replica": steps.replica, "partition": [list(s) for s in strategy.partition],
-           "m": strategy.layout.n_microbatches,
+           "m": strategy.layout.n_microbatches, "time_chunks": strategy.layout.time_chunks,
            "stage_seconds": list(measured.stage_seconds) if measured and measured.stage_seconds else None,
            "records": timeline.records_as_dicts() if timeline is not None else []}
     if job.get("picture") and rank == 0 and timeline is not None and timeline.records:
         record = StepRecord.from_dict(out["records"][-1])
         draw(record, job["picture"])
+    if job.get("memory"):
+        out["floor_mib"], out["peak_mib"] = floor, _peak_mib()
     if job.get("padding") and rank == 0:
         dataset = data.dataset("train")
         real = sum(dataset.example_length(i) for i in range(len(dataset)))
@@ -157,7 +170,7 @@ def advice_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any
     cores = job["cores"]
     calibration = calibrate(model, job["rows"], length, cpu, threads=(cores,))
     candidates = advise(model, job["devices"], job["rows"], length, cpu, calibration, schedule="1F1B", cores=cores,
-                        max_microbatches=job["max_microbatches"])
+                        max_microbatches=job["max_microbatches"], time_chunks=())  # no wavefront row to compare with
     return {"calibration": asdict(calibration), "candidates": [asdict(c) for c in candidates], "length": length}
 
 
@@ -229,11 +242,15 @@ def merge(job: dict[str, Any], per_rank: list[Any]) -> Any:
 
     Returns:
         Rank 0's result; for a ``fit`` job with its ``tokens`` and ``padded`` those of the global batch: summed
-        over the data-parallel replicas (every rank of a replica loads the same batch).
+        over the data-parallel replicas (every rank of a replica loads the same batch), and with ``memory`` every
+        rank's ``peak_mib`` and ``floor_mib`` (lists by rank).
     """
     first = per_rank[0]
     if job["kind"] != "fit":
         return first
     replicas = {r["replica"]: r for r in reversed(per_rank)}  # the lowest rank of each replica
+    if job.get("memory"):  # every rank's own peak
+        first = {**first, "peak_mib": [r["peak_mib"] for r in per_rank],
+                 "floor_mib": [r["floor_mib"] for r in per_rank]}
     return {**first, "tokens": [sum(step) for step in zip(*(r["tokens"] for r in replicas.values()))],
             "padded": [sum(step) for step in zip(*(r["padded"] for r in replicas.values()))]}

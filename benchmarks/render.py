@@ -89,6 +89,16 @@ COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], str]]]] = {
         _col("predicted s/step", "predicted_s", _fixed_digits(3)), _col("predicted rank", "predicted_rank"),
         _col("measured s/step", "measured_s", _fixed_digits(3)), _col("measured rank", "measured_rank"),
         _col("tokens/s", "tokens_per_s", _whole)],
+    "wavefront": [
+        _col("run", "variant"), _col("processes", "processes"), _col("m x k", "units", str),
+        _col("step ms", "step_s", _ms), _col("tokens/s", "tokens_per_s", _whole),
+        _col("**x 1 process**", "x_one_process", _fixed_digits(2)),
+        _col("bound ms", "bound_s", lambda v: "-" if v is None else _ms(v)),
+        _col("**bound / measured**", "ratio", lambda v: "-" if v is None else f"{v:.3f}"),
+        _col("bubble measured", "bubble_measured", lambda v: "-" if v is None else _percent(v)),
+        _col("bubble predicted", "bubble_predicted", lambda v: "-" if v is None else _percent(v)),
+        _col("peak MiB per rank", "peak_mib", lambda v: ", ".join(f"{x:.0f}" for x in v)),
+        _col("**peak / GPipe**", "peak_over_gpipe", lambda v: "-" if v is None else f"{v:.3f}")],
 }
 
 
@@ -192,9 +202,11 @@ def _gpu_rows(results: dict[str, Any]) -> list[str]:
                     "how to run it and report the output."]
 
 
-#: The timeline pictures the page shows under the pipeline section, and their captions.
-PICTURES = (("pp2", "A recorded pp2 step (1F1B)"),
-            ("dp2_pp2", "A recorded dp2 x pp2 step, both replicas (1F1B, 4 processes on 2 cores)"))
+#: The timeline pictures the page shows under each section, and their captions.
+PICTURES = {"pipeline_bound": (("pp2", "A recorded pp2 step (1F1B)"),
+                               ("dp2_pp2", "A recorded dp2 x pp2 step, both replicas (1F1B, 4 processes on 2 cores)")),
+            "wavefront": (("wavefront_pp2", "A recorded pp2 wavefront step: time chunks (unit numbers) run "
+                                            "diagonally, backward in reverse"),)}
 
 
 def render(results: dict[str, Any], page: Path | None = None) -> str:
@@ -240,11 +252,10 @@ def render(results: dict[str, Any], page: Path | None = None) -> str:
         note = _note(name, section["rows"])
         if note:
             lines += [note, ""]
-        if name == "pipeline_bound":
-            for key, caption in PICTURES:
-                if key in pictures:
-                    relative = os.path.relpath(resolve_stored(pictures[key]), base)
-                    lines += [f"![{caption}]({Path(relative).as_posix()})", "", f"*{caption}.*", ""]
+        for key, caption in PICTURES.get(name, ()):
+            if key in pictures:
+                relative = os.path.relpath(resolve_stored(pictures[key]), base)
+                lines += [f"![{caption}]({Path(relative).as_posix()})", "", f"*{caption}.*", ""]
     lines += _pays(results)
     lines += [""] + _gpu_rows(results)
     return "\n".join(lines).rstrip() + "\n"

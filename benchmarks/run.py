@@ -17,7 +17,10 @@ Sections (each a table; each goal gets a met / missed flag, a missed goal never 
 * ``memory``: peak memory per rank (``benchmarks/memory.py``);
 * ``strategy_overhead``: ``MPLSTMStrategy`` in ``Trainer.fit`` against a bare pipelining loop
   (``benchmarks/strategy_overhead.py``);
-* ``advice``: ``lightning_mp_lstm.advice``'s predicted order of layouts against the measured one.
+* ``advice``: ``lightning_mp_lstm.advice``'s predicted order of layouts against the measured one;
+* ``wavefront``: one process, GPipe (the batch split in m microbatches), the wavefront (the time axis split in k
+  chunks) and rows x chunks on one model and global batch, each against its own bound, with every rank's peak
+  memory (docs/wavefront.md).
 
 With ``--device cuda`` every rank trains on its own GPU (one process per GPU, NCCL) and peak memory is the GPU's
 (``torch.cuda.max_memory_allocated``) instead of the host's RSS; ``advice`` and ``strategy_overhead`` are CPU-only
@@ -101,6 +104,8 @@ def processes_needed(sizes: Sizes, only: Sequence[str]) -> int:
         worlds += [world for world, todo in specs.layout_jobs(sizes, 0).items() if todo]
     if "memory" in only:
         worlds += list(sizes.memory_layouts.values())
+    if "wavefront" in only:
+        worlds += [world for world, _ in specs.wavefront_jobs(sizes, None)]
     return max(worlds)
 
 
@@ -166,6 +171,7 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
     pictures.mkdir(parents=True, exist_ok=True)
     need_layouts = "layouts" in only or "advice" in only
     pp2_png, dp2_pp2_png = pictures / "timeline_pp2.png", pictures / "timeline_dp2_pp2.png"
+    wave_png = pictures / "timeline_wavefront_pp2.png"
     fixed: dict[int, list[dict[str, Any]]] = {1: [], 2: [], 4: []}
     if "strategy_overhead" in only:
         fixed[2].append(specs.overhead_job(sizes))
@@ -184,7 +190,22 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
     if inline_memory:
         for world, job in specs.memory_jobs(sizes):
             fixed[world].insert(0, job)  # a process's peak memory never goes down: first in fresh processes
+    fresh: list[tuple[dict[str, Any], Any]] = []
+    if "wavefront" in only:
+        wave_png.unlink(missing_ok=True)
+        todo = [(world, {**job, "device": device}) for world, job in specs.wavefront_jobs(sizes, wave_png)]
+        if sizes.wave_fresh:  # each in fresh processes: a process's peak memory is then the run's own
+            log(f"  wavefront: {len(todo)} runs, each in fresh processes ...")
+            started = time.perf_counter()
+            for world, job in todo:
+                fresh.append((job, jobs.merge(job, [on_rank[0][0] for on_rank in jobs.spawn(world, [job],
+                                                                                            sizes.timeout)])))
+            log(f"    {time.perf_counter() - started:.0f} s")
+        else:
+            for world, job in todo:
+                fixed[world].append(job)
     done, memory_ranks = _run(fixed, sizes, need_layouts, log, device)
+    done += fresh
 
     def of(section: str) -> list[tuple[dict, Any]]:
         return [(job, result) for job, result in done if job.get("section") == section]
@@ -217,9 +238,12 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
         else:
             memory_ranks = {layout: [{**r, "file": r} for r in ranks] for layout, ranks in memory_ranks.items()}
         found["memory"] = sections.section_memory(memory_ranks, sizes)
+    if "wavefront" in only:
+        found["wavefront"] = sections.section_wavefront(of("wavefront"), sizes)
     pictures_written = {}
-    for name, path in (("pp2", pp2_png), ("dp2_pp2", dp2_pp2_png)):
-        if "pipeline_bound" in only and path.is_file():
+    for name, path, section in (("pp2", pp2_png, "pipeline_bound"), ("dp2_pp2", dp2_pp2_png, "pipeline_bound"),
+                                ("wavefront_pp2", wave_png, "wavefront")):
+        if section in only and path.is_file():
             pictures_written[name] = stored_path(path)
     return {"sections": {k: found[k] for k in SECTIONS if k in found}, "pictures": pictures_written}
 

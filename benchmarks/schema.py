@@ -8,7 +8,8 @@ from typing import Any
 
 SCHEMA = "lightning_mp_lstm.benchmarks/1"
 #: The sections of a result, in page order.
-SECTIONS = ("pipeline_bound", "layouts", "partition_regret", "bucketing", "memory", "strategy_overhead", "advice")
+SECTIONS = ("pipeline_bound", "layouts", "partition_regret", "bucketing", "memory", "strategy_overhead", "advice",
+            "wavefront")
 
 
 class SchemaError(ValueError):
@@ -35,6 +36,10 @@ ROW_FIELDS: dict[str, dict[str, str]] = {
     "strategy_overhead": {"run": "str", "steps_per_s": "pos", "timed_steps": "int"},
     "advice": {"model": "str", "candidate": "str", "layout": "str", "predicted_s": "pos", "measured_s": "pos",
                "tokens_per_s": "pos", "predicted_rank": "int", "measured_rank": "int"},
+    "wavefront": {"variant": "str", "processes": "int", "schedule": "str", "m": "int", "k": "int", "units": "int",
+                  "step_s": "pos", "tokens_per_s": "pos", "x_one_process": "pos", "bound_s": "pos?", "ratio": "pos?",
+                  "bubble_measured": "num?", "bubble_predicted": "frac?", "peak_mib": "list[pos]",
+                  "floor_mib": "list[pos]", "peak_over_gpipe": "pos?"},
 }
 _TOP = {"schema": str, "mode": str, "command": str, "date": str, "duration_s": (int, float), "machine": dict,
         "sections": dict, "pictures": dict}

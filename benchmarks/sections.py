@@ -365,3 +365,92 @@ def section_advice(results: list[tuple[dict, dict]], layouts: dict[str, Any]) ->
                   "(balanced, best predicted m) stands against the measured 'pp2 balanced, m=auto'."),
         "rows": rows, "goals": goals,
     }
+
+
+def _wavefront_row(job: dict[str, Any], result: dict[str, Any], s: Sizes) -> dict[str, Any]:
+    """One run of the wavefront section: its step, tokens/s, bound (pipelines) and every rank's peak memory."""
+    from lightning_mp_lstm.plan import step_time
+    from lightning_mp_lstm.timeline import COMPUTE, StepRecord, predicted_bubble
+
+    timed = range(job["warmup"], job["warmup"] + s.wave_steps)
+    intervals = _intervals(result, timed)
+    step = statistics.median(intervals)
+    tokens = statistics.median(result["tokens"][i] for i in timed)
+    schedule = job["strategy"].get("schedule", "-") if job["pp"] > 1 else "-"
+    m, k = result["m"], result["time_chunks"]
+    row = {"variant": job["variant"], "processes": job["pp"], "schedule": schedule, "m": m, "k": k, "units": m * k,
+           "step_s": step, "tokens_per_s": tokens / step, "bound_s": None, "ratio": None, "bubble_measured": None,
+           "bubble_predicted": None, "peak_mib": result["peak_mib"], "floor_mib": result["floor_mib"]}
+    if result["records"]:
+        records = sorted((StepRecord.from_dict(r) for r in result["records"]), key=lambda r: r.step)
+        spans = _intervals(result, [r.step for r in records])
+        bounds = []
+        for record in records:
+            busy = {stage: 0.0 for stage in range(record.num_stages)}
+            for span in record.spans:
+                if span.kind in COMPUTE:
+                    busy[span.stage] += span.end - span.start
+            bounds.append(step_time([busy[stage] / (m * k) for stage in sorted(busy)], m * k))
+        row.update(bound_s=statistics.median(bounds),
+                   ratio=statistics.median(b / t for b, t in zip(bounds, spans)),
+                   bubble_measured=statistics.median(r.bubble() for r in records),
+                   bubble_predicted=predicted_bubble(schedule, job["pp"], 1, m * k))
+    return row
+
+
+def section_wavefront(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
+    """Time chunks against row microbatches: one process, GPipe (batch split) at every m, the wavefront at every k
+    and rows x chunks, one model and global batch, each in fresh processes.
+
+    Args:
+        results: the ``wavefront`` jobs and their results (with every rank's peak memory).
+        s: the sizes they ran with.
+
+    Returns:
+        The section: a row per run (ratios to one process and, for memory, to the same depth's fastest GPipe);
+        goals per pipeline depth: the fastest wavefront (rows whole) at least the fastest GPipe's tokens/s, its
+        bound / measured step >= 0.9, its largest rank's peak memory at most that GPipe's.
+    """
+    rows = [_wavefront_row(job, result, s) for job, result in results]
+    single = next(r for r in rows if r["processes"] == 1)
+    goals = []
+    for row in rows:
+        row["x_one_process"] = row["tokens_per_s"] / single["tokens_per_s"]
+    for pp in sorted({r["processes"] for r in rows if r["processes"] > 1}):
+        gpipe = max((r for r in rows if r["processes"] == pp and r["schedule"] == "GPipe"),
+                    key=lambda r: r["tokens_per_s"])
+        wave = max((r for r in rows if r["processes"] == pp and r["schedule"] == "Wavefront" and r["m"] == 1),
+                   key=lambda r: r["tokens_per_s"])
+        for row in rows:
+            if row["processes"] == pp:
+                row["peak_over_gpipe"] = max(row["peak_mib"]) / max(gpipe["peak_mib"])
+        goals += [
+            _goal(f"pp{pp}: wavefront (best k={wave['k']}) / GPipe (best m={gpipe['m']}) tokens/s",
+                  wave["tokens_per_s"] / gpipe["tokens_per_s"], 1.0, ">="),
+            _goal(f"pp{pp} wavefront k={wave['k']}: bound / measured step", wave["ratio"], 0.9, ">="),
+            _goal(f"pp{pp} wavefront k={wave['k']}: largest rank's peak memory / GPipe m={gpipe['m']}'s",
+                  wave["peak_over_gpipe"], 1.0, "<=")]
+    single["peak_over_gpipe"] = None
+    model = s.wave_model
+    mxnet = " (mxnet_ptb's depth and embedding)" if (model["num_layers"], model["embedding_dim"]) == (8, 200) else ""
+    skipped = "" if 4 in s.wave_runs else (
+        " pp4 is not run: 4 single-thread processes on this machine's 2 cores take turns on them, so its step "
+        "times would measure the oversubscription, not the schedule.")
+    return {
+        "title": "Wavefront: time chunks against row microbatches",
+        "setup": (f"{model['num_layers']} x LSTM {model['hidden_size']}, embedding {model['embedding_dim']}, "
+                  f"vocabulary {model['vocab_size']:,}{mxnet}, random batches of {s.wave_rows} x "
+                  f"{s.wave_length}, even partition, SGD, gradient clipping {CLIP}; the same global batch for every "
+                  "run. 1 process runs 2 threads, a pipeline 1 thread per process; GPipe splits the rows into m "
+                  "microbatches, the wavefront (schedule='Wavefront') the time axis into k chunks (m x k: both). "
+                  + ("Each run in fresh processes: " if s.wave_fresh else "")
+                  + f"{s.wave_warmup} warm-up steps, then {s.wave_steps} timed steps recorded by "
+                  "PipelineTimeline; step: the median interval from a step's start to the next one's; bound: (units "
+                  "- 1) x max + sum of the stages' forward + backward time per unit inside the same step, units = m x "
+                  "k; bound / measured: the median of each step's ratio. Peak memory: each rank's peak RSS after "
+                  "training (MiB; the floor after imports and data is in the JSON); peak / GPipe: the largest rank's "
+                  "against the fastest GPipe of the same depth"
+                  + (". " if s.wave_fresh else " (quick mode: the runs share their processes, so a peak is the "
+                     "largest so far, not the run's own). ") + skipped.strip()).strip(),
+        "rows": rows, "goals": goals,
+    }

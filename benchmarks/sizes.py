@@ -81,6 +81,19 @@ class Sizes:
     bucket_auto: tuple[int, ...] = (5, 10)
     # layout advice: the most microbatches a pipeline candidate may have
     advice_max_microbatches: int = 32
+    # wavefront: time chunks against row microbatches, one model and global batch (mxnet_ptb's 8 layers and
+    # embedding at half its hidden size, a 2,000-word vocabulary: a step of about a second on 2 cores), fixed-shape
+    # random batches; per pipeline depth: GPipe's m, the wavefront's k, (m, k) pairs
+    wave_model: dict[str, int] = field(default_factory=lambda: _model(2000, 200, 200, 8))
+    wave_rows: int = 32
+    wave_length: int = 35
+    wave_runs: dict[int, dict[str, tuple]] = field(default_factory=lambda: {
+        2: {"m": (2, 4), "k": (2, 4, 8), "mk": ((2, 2),)}})
+    wave_picture_k: int = 4
+    #: each run in fresh processes (its peak memory its own); otherwise with the other sections' jobs
+    wave_fresh: bool = True
+    wave_warmup: int = 2
+    wave_steps: int = 6
     # memory (benchmarks/memory.py)
     memory_hidden: int = 1024
     memory_rows: int = 8
@@ -112,5 +125,8 @@ QUICK = Sizes(
     memory_formats=("file",), memory_inline=True,
     overhead={**_model(64, 16, 16, 2), "rows": 16, "length": 8, "microbatches": 4},
     overhead_steps=4, overhead_warmup=1, overhead_rounds=1,
+    wave_model=_model(64, 16, 16, 2), wave_rows=16, wave_length=8,
+    wave_runs={2: {"m": (2,), "k": (2,), "mk": ((2, 2),)}},
+    wave_picture_k=2, wave_warmup=1, wave_steps=2, wave_fresh=False,
     timeout=300.0,
 )

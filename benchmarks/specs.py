@@ -56,6 +56,32 @@ def dp2_pp2_job(s: Sizes, picture: Path | None) -> dict[str, Any]:
             "batches": batches, "timeline": [batches - 1], "picture": str(picture) if picture else None}
 
 
+def wavefront_jobs(s: Sizes, picture: Path | None) -> list[tuple[int, dict[str, Any]]]:
+    """One process, then per pipeline depth GPipe at every m, the wavefront at every k and every rows x chunks
+    pair, with their number of processes; each runs in fresh processes (its peak memory is its own). Pipelines
+    record their timed steps (the bound) and the wavefront of depth 2 at ``wave_picture_k`` draws its last one."""
+    first = s.wave_warmup
+    batches = first + s.wave_steps + 1  # one more step: the last timed step ends where the next one starts
+    data, model = _fixed(s.wave_model, s.wave_rows, s.wave_length, batches), _lstm(s.wave_model)
+
+    def job(variant: str, pp: int, strategy: dict[str, Any], draw: bool = False) -> dict[str, Any]:
+        return {"kind": "fit", "section": "wavefront", "variant": variant, "pp": pp, "data": data, "model": model,
+                "strategy": strategy, "batches": batches, "warmup": first, "memory": True,
+                "timeline": list(range(first, first + s.wave_steps)) if pp > 1 else None,
+                "picture": str(picture) if draw and picture is not None else None}
+
+    out = [(1, job("1 process", 1, strategy_options(threads=2)))]
+    for pp, runs in s.wave_runs.items():
+        out += [(pp, job(f"pp{pp} GPipe, m={m}", pp, strategy_options(pp=pp, schedule="GPipe", n_microbatches=m)))
+                for m in runs["m"]]
+        out += [(pp, job(f"pp{pp} wavefront, k={k}", pp, strategy_options(pp=pp, schedule="Wavefront",
+                                                                          n_microbatches=1, time_chunks=k),
+                         draw=pp == 2 and k == s.wave_picture_k)) for k in runs["k"]]
+        out += [(pp, job(f"pp{pp} wavefront, m={m} x k={k}", pp, strategy_options(
+            pp=pp, schedule="Wavefront", n_microbatches=m, time_chunks=k))) for m, k in runs["mk"]]
+    return out
+
+
 def layout_jobs(s: Sizes, round_: int) -> dict[int, list[dict[str, Any]]]:
     """One round of every model on every layout, grouped by the number of processes."""
     jobs: dict[int, list[dict[str, Any]]] = {1: [], 2: [], 4: []}

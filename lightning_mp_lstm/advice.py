@@ -3,9 +3,10 @@
 From the model's blocks timed on this machine (one thread) and a measured :class:`Calibration` (how much faster
 one process runs on several threads, how fast processes exchange bytes), :func:`advise` predicts the seconds per
 training step of every way to use ``devices`` processes: one process with all cores, data parallel, pipelines
-(each partition balanced by the measured times and the best number of microbatches) and their products, and
-orders them. The step-time model is the plan's (:func:`~lightning_mp_lstm.plan.step_time`), plus the bytes a
-layout moves between processes.
+(each partition balanced by the measured times and the best number of microbatches), wavefront pipelines (the
+time axis split into chunks, rows x chunks; :mod:`lightning_mp_lstm.wavefront`) and their products, and orders
+them. The step-time model is the plan's (:func:`~lightning_mp_lstm.plan.step_time`, over ``m x k`` units for a
+wavefront), plus the bytes a layout moves between processes.
 
 The advice is for CPUs: it calibrates CPU threads and a host memory copy, and names candidates by cores. On any
 other device :func:`calibrate` and :func:`advise` refuse (:func:`check_device`); measure the layouts there instead
@@ -26,7 +27,7 @@ from lightning_mp_lstm import profile
 from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.partition import partition_blocks
-from lightning_mp_lstm.plan import microbatch_candidates, step_time
+from lightning_mp_lstm.plan import ChunkCost, microbatch_candidates, step_time
 
 __all__ = ["Calibration", "Candidate", "advise", "calibrate", "check_device", "render"]
 
@@ -61,6 +62,7 @@ class Candidate:
     partition: tuple[tuple[str, ...], ...]
     threads_per_process: int
     predicted_seconds: float
+    time_chunks: int = 1
 
 
 def check_device(device: torch.device | str) -> None:
@@ -115,7 +117,8 @@ def _block_bytes(model: Any, name: str, rows: int, length: int) -> int:
 
 
 def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch.device, calibration: Calibration,
-           schedule: str = "1F1B", cores: int | None = None, max_microbatches: int = 32) -> list[Candidate]:
+           schedule: str = "1F1B", cores: int | None = None, max_microbatches: int = 32,
+           time_chunks: Sequence[int] = (2, 4, 8, 16)) -> list[Candidate]:
     """Every way to run ``model`` on ``devices`` processes, fastest predicted first.
 
     Args:
@@ -127,6 +130,9 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
         schedule: the pipeline schedule of the pipelined candidates.
         cores: CPU cores to share between the processes (default: the CPU count).
         max_microbatches: the most microbatches considered.
+        time_chunks: the chunk counts of the wavefront candidates (at most ``length``; each with 1, 2 or 4 row
+            microbatches); empty: none. Block times at the shortest chunk are measured too, and each block's time is
+            taken as linear in the length between the two (:class:`~lightning_mp_lstm.plan.ChunkCost`).
 
     Raises:
         ValueError: ``device`` is not a CPU (:func:`check_device`).
@@ -136,17 +142,38 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
     model = pipeline_model(model)
     names = list(model.block_names)
     parameters = model.analytic_costs("parameters", 1, length)
-    cache: dict[int, dict[str, float]] = {}
+    cache: dict[tuple[int, int], dict[str, float]] = {}
+    chunks = sorted({k for k in time_chunks if 1 < k <= length})
+    short = -(-length // chunks[-1]) if chunks else length
 
-    def times(rows: int) -> dict[str, float]:
-        if rows not in cache:
+    def times(rows: int, steps: int = length) -> dict[str, float]:
+        if (rows, steps) not in cache:
             before = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                cache[rows] = profile.block_seconds(model, names, rows, length, device, repeats=3, warmup=1)
+                cache[(rows, steps)] = profile.block_seconds(model, names, rows, steps, device, repeats=3, warmup=1)
             finally:
                 torch.set_num_threads(before)
-        return cache[rows]
+        return cache[(rows, steps)]
+
+    def wavefront(prefix: str, dp: int, pp: int, rows: int, speed: float, threads: int) -> Candidate | None:
+        """The fastest rows x chunks pair of a ``pp``-stage wavefront pipeline."""
+        best: Candidate | None = None
+        for m in (m for m in (1, 2, 4) if rows % m == 0 and m <= rows):
+            whole, part = times(rows // m), times(rows // m, short)
+            partition = partition_blocks(names, whole, pp)
+            costs = [ChunkCost.fit((length, sum(whole[b] for b in stage) / speed),
+                                   (short, sum(part[b] for b in stage) / speed)) for stage in partition]
+            for k in chunks:
+                steps = -(-length // k)
+                transfer = max(2 * _block_bytes(model, stage[0], rows // m, steps) / calibration.bandwidth
+                               for stage in partition[1:])
+                seconds = step_time([c.seconds(steps) + transfer for c in costs], m * k)
+                seconds += max(all_reduce_seconds(stage, dp) for stage in partition)
+                if best is None or seconds < best.predicted_seconds:
+                    best = Candidate(f"{prefix} wavefront, m={m} x k={k}", dp, pp, m, tuple(map(tuple, partition)),
+                                     threads, seconds, time_chunks=k)
+        return best
 
     def all_reduce_seconds(blocks: Sequence[str], replicas: int) -> float:
         if replicas == 1:
@@ -192,6 +219,10 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
                 best = option
         if best is not None:
             candidates.append(best)
+        if chunks:
+            option = wavefront(f"dp{dp} x pp{pp}" if dp > 1 else f"pp{pp}", dp, pp, rows, speed, threads)
+            if option is not None:
+                candidates.append(option)
     return sorted(candidates, key=lambda c: c.predicted_seconds)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["DecoderBlock", "EmbeddingBlock", "LSTMLayerBlock", "LayerwiseLSTM", "lstm_layer_names"]
+__all__ = ["DecoderBlock", "EmbeddingBlock", "LSTMLayerBlock", "LayerwiseLSTM", "TimeChunk", "lstm_layer_names"]
 
 
 def lstm_layer_names(layer: int) -> list[str]:
@@ -123,6 +124,21 @@ class EmbeddingBlock(nn.Module):
         return self.dropout(x) if self.dropout is not None else x
 
 
+@dataclass
+class TimeChunk:
+    """The recurrent state of one LSTM layer around one chunk of the time axis (wavefront pipelining).
+
+    Attributes:
+        initial: the ``(h, c)`` the chunk starts from: the previous chunk's final state (a leaf that requires grad
+            in training, so its ``.grad`` after this chunk's backward is the previous chunk's state gradient);
+            ``None`` for the first chunk (the state carried across batches, or zeros).
+        final: set by the layer: the ``(h, c)`` it ended with, still in the autograd graph.
+    """
+
+    initial: tuple[torch.Tensor, torch.Tensor] | None = None
+    final: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 class LSTMLayerBlock(nn.Module):
     """One LSTM layer, batch first, contiguous output, then dropout (between layers, or after the last one).
 
@@ -130,6 +146,9 @@ class LSTMLayerBlock(nn.Module):
     pipeline stage sees exactly the parameters of its own blocks. With a ``slot`` set (see
     :meth:`~lightning_mp_lstm.language_model.LanguageModelBlocks.microbatch_context`) it starts from the ``(h, c)``
     it kept for that slot and keeps the final one, detached: truncated backpropagation through time across batches.
+    With a ``time_chunk`` set (:class:`TimeChunk`, by :meth:`~lightning_mp_lstm.stages.StageModule.forward_chunk`)
+    it starts from the chunk's initial state instead (when it has one) and reports its final state with its graph:
+    exact backpropagation through time across chunks of one batch.
 
     Args:
         dropout: applied to the layer's output in training (``None``: none).
@@ -142,6 +161,7 @@ class LSTMLayerBlock(nn.Module):
         self.dropout = dropout
         self.slot: tuple[str, int] | None = None
         self.carried: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.time_chunk: TimeChunk | None = None
 
     def set_weights(self, weights: list[torch.Tensor]) -> None:
         """Run with these ``[w_ih, w_hh, b_ih, b_hh]`` (the user's parameters, not copies)."""
@@ -151,7 +171,10 @@ class LSTMLayerBlock(nn.Module):
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        state = self.carried.get(self.slot) if self.slot is not None else None
+        chunk = self.time_chunk
+        state = chunk.initial if chunk is not None else None
+        if state is None and self.slot is not None:
+            state = self.carried.get(self.slot)
         if state is not None and state[0].shape[1] != x.shape[0]:
             raise ValueError(
                 f"carry_state: a batch of {x.shape[0]} rows follows one of {state[0].shape[1]} rows in the same "
@@ -159,7 +182,9 @@ class LSTMLayerBlock(nn.Module):
             )
         weights = [self._parameters[name] for name in self._NAMES]
         out, (h, c) = run_lstm_layer(weights, x, state, self.training and torch.is_grad_enabled())
-        if self.slot is not None:
+        if chunk is not None:
+            chunk.final = (h, c)
+        if self.slot is not None:  # a later time chunk of the batch overwrites it: the last chunk's state is kept
             self.carried[self.slot] = (h.detach(), c.detach())
         out = self.dropout(out) if self.dropout is not None else out
         return out.contiguous()

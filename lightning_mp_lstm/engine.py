@@ -2,8 +2,9 @@
 
 :func:`split_model` prunes a model to the blocks of one pipeline rank and materializes them; :func:`build_engine`
 makes its stages and the :class:`PipelineEngine` that runs them. The engine keeps one ``PipelineStage`` + schedule
-per batch shape (a stage sizes its receive buffers at its first step: MXNet's "one executor per bucket"), at most
-``max_cached_shapes`` of them, normalizes the loss by the global batch's token count, and after the backward pass
+per batch shape (a stage sizes its receive buffers at its first step: MXNet's "one executor per bucket"; for
+``schedule="Wavefront"`` a :class:`~lightning_mp_lstm.wavefront.WavefrontSchedule`), at most ``max_cached_shapes`` of
+them, normalizes the loss by the global batch's token count, and after the backward pass
 sums gradients over replicas and tied copies and clips them by the global norm. The training loop (the ``mp_lstm``
 strategy, or any other) owns the engine and calls it; the model never holds it.
 """
@@ -28,6 +29,7 @@ from lightning_mp_lstm.gradients import all_reduce_gradients, clip_grad_norm_
 from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.stages import Stage, StageModule, StageRandomness
 from lightning_mp_lstm.tied import TiedWeights
+from lightning_mp_lstm.wavefront import WavefrontSchedule
 
 __all__ = ["PipelineEngine", "ProcessGroups", "StepResult", "build_engine", "split_model"]
 
@@ -137,7 +139,7 @@ class PipelineEngine:
         self.has_first_stage = 0 in stage_modules
         self.has_last_stage = layout.num_stages - 1 in stage_modules
         # Pipeline rank that holds the last stage: the last rank, except for V-shaped schedules.
-        self._last_stage_rank = 0 if layout.style == "v" else layout.pipeline_parallel_size - 1
+        self._last_stage_rank = layout.rank_of_stage(layout.num_stages - 1)
 
     # ----- running batches ---------------------------------------------------------------------------------
     def forward_backward(self, batch: Any, accumulation: int = 1) -> StepResult:
@@ -277,15 +279,18 @@ class PipelineEngine:
         key = (int(shape[0]), int(shape[1]), mode)
         schedule = self._schedules.get(key)
         if schedule is None:
-            schedule = self._build_schedule(with_loss=mode != "predict")
+            schedule = self._build_schedule(with_loss=mode != "predict", rows=key[0], length=key[1])
             self._schedules[key] = schedule
             while len(self._schedules) > self.max_cached_shapes:
                 self._schedules.popitem(last=False)
         self._schedules.move_to_end(key)
         return schedule
 
-    def _build_schedule(self, with_loss: bool) -> Any:
+    def _build_schedule(self, with_loss: bool, rows: int, length: int) -> Any:
         layout = self.layout
+        if layout.style == "wavefront":  # this library's own loop: chunks of the time axis
+            return WavefrontSchedule(self.stage_modules, layout, self.groups.pipeline, self.device, rows, length,
+                                     layout.time_chunks, self._loss_fn if with_loss else None)
         stages = [Stage(module, index, layout.num_stages, self.device, group=self.groups.pipeline)
                   for index, module in self.stage_modules.items()]
         schedule_cls = get_schedule_class(layout.schedule)

@@ -8,6 +8,7 @@ The layout is a small validated, immutable dataclass: :meth:`ParallelLayout.reso
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -15,7 +16,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MESH_DIMS", "LayoutError", "ParallelLayout", "SCHEDULES", "schedule_style"]
+from lightning_mp_lstm.validation import check_positive_int
+
+__all__ = ["MESH_DIMS", "LayoutError", "ParallelLayout", "SCHEDULES", "TIME_SCHEDULES", "WAVEFRONT",
+           "default_stages_per_rank", "schedule_style"]
 
 #: Names of the device mesh's dimensions, outermost first.
 MESH_DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
@@ -31,6 +35,11 @@ SCHEDULES: dict[str, str] = {
     "ZBVZeroBubble": "v",
     "DualPipeV": "v",
 }
+#: The schedule that splits the time axis instead of the batch (:mod:`lightning_mp_lstm.wavefront`, this library's
+#: own): stage s on rank s % pp, one or more stages per rank.
+WAVEFRONT = "Wavefront"
+#: Schedules of this library (not torch's), by name -> placement style.
+TIME_SCHEDULES: dict[str, str] = {WAVEFRONT: "wavefront"}
 
 
 class LayoutError(ValueError):
@@ -44,16 +53,18 @@ def schedule_style(name: str) -> tuple[str, str]:
         name: a schedule name, case-insensitive (``"1f1b"``, ``"GPipe"``, ``"zbvzerobubble"``...).
 
     Returns:
-        ``(canonical_name, style)`` with style ``"single"``, ``"loop"`` or ``"v"``.
+        ``(canonical_name, style)`` with style ``"single"``, ``"loop"``, ``"v"`` or ``"wavefront"`` (stages placed
+        as ``"loop"`` does, any number per rank).
 
     Raises:
-        LayoutError: the name is not one of :data:`SCHEDULES`.
+        LayoutError: the name is not one of :data:`SCHEDULES` or :data:`TIME_SCHEDULES`.
     """
-    by_lower = {k.lower(): k for k in SCHEDULES}
+    known = {**SCHEDULES, **TIME_SCHEDULES}
+    by_lower = {k.lower(): k for k in known}
     canonical = by_lower.get(str(name).lower())
     if canonical is None:
-        raise LayoutError(f"unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
-    return canonical, SCHEDULES[canonical]
+        raise LayoutError(f"unknown schedule {name!r}; allowed: {', '.join(known)}")
+    return canonical, known[canonical]
 
 
 @dataclass(frozen=True)
@@ -68,10 +79,12 @@ class ParallelLayout:
         data_parallel_size: number of model replicas; data is sharded across them only.
         pipeline_parallel_size: number of processes one replica's pipeline spans.
         stages_per_rank: pipeline stages held by each process (2 for interleaved / V schedules).
-        schedule: a name from :data:`SCHEDULES` (case-insensitive).
-        n_microbatches: microbatches per (per-replica) batch.
+        schedule: a name from :data:`SCHEDULES` or ``"Wavefront"`` (case-insensitive).
+        n_microbatches: microbatches per (per-replica) batch: splits of its rows.
         tensor_parallel_size: processes one stage's weight matrices are split over (vocabulary-parallel
             embedding and decoder); every one of them runs the same pipeline on the same batch.
+        time_chunks: splits of the time axis of every microbatch (``"Wavefront"`` only; 1 otherwise): a stage runs
+            chunk c as soon as the previous stage sent it, carrying the LSTM state from chunk c - 1.
     """
 
     data_parallel_size: int = 1
@@ -80,13 +93,12 @@ class ParallelLayout:
     schedule: str = "1F1B"
     n_microbatches: int = 1
     tensor_parallel_size: int = 1
+    time_chunks: int = 1
 
     def __post_init__(self) -> None:
         for field_name in ("data_parallel_size", "pipeline_parallel_size", "stages_per_rank", "n_microbatches",
-                           "tensor_parallel_size"):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LayoutError(f"{field_name} must be a positive integer, got {value!r}")
+                           "tensor_parallel_size", "time_chunks"):
+            check_positive_int(field_name, getattr(self, field_name), LayoutError)
         canonical, style = schedule_style(self.schedule)
         object.__setattr__(self, "schedule", canonical)
         spr = self.stages_per_rank
@@ -104,6 +116,11 @@ class ParallelLayout:
         if style == "v" and spr != 2:
             raise LayoutError(
                 f"schedule {canonical} is V-shaped and needs stages_per_rank=2, got stages_per_rank={spr}"
+            )
+        if style != "wavefront" and self.time_chunks != 1:
+            raise LayoutError(
+                f"time_chunks={self.time_chunks} splits the time axis, which only schedule {WAVEFRONT} does; "
+                f"schedule {canonical} splits the batch: use schedule={WAVEFRONT!r} or time_chunks=1"
             )
         m, pp, stages = self.n_microbatches, self.pipeline_parallel_size, self.num_stages
         if canonical in ("1F1B", "DualPipeV") and m < stages:
@@ -132,8 +149,13 @@ class ParallelLayout:
 
     @property
     def style(self) -> str:
-        """Stage placement style of the schedule: ``"single"``, ``"loop"`` or ``"v"``."""
-        return SCHEDULES[self.schedule]
+        """Stage placement style of the schedule: ``"single"``, ``"loop"``, ``"v"`` or ``"wavefront"``."""
+        return schedule_style(self.schedule)[1]
+
+    @property
+    def units(self) -> int:
+        """Pieces one replica batch is pipelined in: ``n_microbatches x time_chunks``."""
+        return self.n_microbatches * self.time_chunks
 
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`LayoutError` unless the layout uses exactly ``world_size`` processes."""
@@ -153,6 +175,16 @@ class ParallelLayout:
                 f"n_microbatches={self.n_microbatches} must divide the per-replica batch of {batch_size} "
                 f"sentences and be at most {batch_size}; allowed values: "
                 f"{[m for m in range(1, batch_size + 1) if batch_size % m == 0]}"
+            )
+
+    def check_time_chunks(self, bucket_lengths: Sequence[int]) -> None:
+        """Raise :class:`LayoutError` unless every bucket (sequence length) has at least ``time_chunks`` steps."""
+        shortest = min(int(b) for b in bucket_lengths) if len(bucket_lengths) else None
+        if shortest is not None and self.time_chunks > shortest:
+            raise LayoutError(
+                f"time_chunks={self.time_chunks} splits every batch's time axis into {self.time_chunks} chunks, but "
+                f"the shortest bucket has {shortest} steps (buckets {sorted(set(bucket_lengths))}); allowed: 1 to "
+                f"{shortest}, or 'auto'"
             )
 
     def stage_indices(self, pipeline_rank: int) -> list[int]:
@@ -198,6 +230,7 @@ class ParallelLayout:
         schedule: str = "1F1B",
         n_microbatches: int | None = None,
         tensor_parallel_size: int = 1,
+        time_chunks: int | None = None,
     ) -> ParallelLayout:
         """The layout for ``world_size`` processes from the user's options.
 
@@ -206,20 +239,19 @@ class ParallelLayout:
             data_parallel_size: replicas of the pipeline.
             pipeline_parallel_size: processes per pipeline; ``"auto"``: ``world_size / (data_parallel_size x
                 tensor_parallel_size)``.
-            stages_per_rank: stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and V schedules.
-            schedule: a name from :data:`SCHEDULES` (case-insensitive).
-            n_microbatches: microbatches per replica batch; ``None``: the number of stages.
+            stages_per_rank: stages per process; ``None``: 1 for GPipe/1F1B/Wavefront, 2 for interleaved and V
+                schedules.
+            schedule: a name from :data:`SCHEDULES` or ``"Wavefront"`` (case-insensitive).
+            n_microbatches: microbatches per replica batch; ``None``: the number of stages (1 for Wavefront, which
+                splits time instead).
             tensor_parallel_size: processes each stage's split weights are sharded over.
+            time_chunks: chunks of the time axis (Wavefront); ``None``: the number of stages for Wavefront, else 1.
 
         Raises:
             LayoutError: the options do not fit together or do not use exactly ``world_size`` processes.
         """
-        dp = data_parallel_size
-        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-            raise LayoutError(f"data_parallel_size must be a positive integer, got {dp!r}")
-        tp = tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise LayoutError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        dp = check_positive_int("data_parallel_size", data_parallel_size, LayoutError)
+        tp = check_positive_int("tensor_parallel_size", tensor_parallel_size, LayoutError)
         if pipeline_parallel_size == "auto":
             if world_size % (dp * tp):
                 allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -231,10 +263,12 @@ class ParallelLayout:
                 )
             pipeline_parallel_size = world_size // (dp * tp)
         _, style = schedule_style(schedule)
-        spr = stages_per_rank if stages_per_rank is not None else (1 if style == "single" else 2)
+        spr = stages_per_rank if stages_per_rank is not None else default_stages_per_rank(style)
         stages = pipeline_parallel_size * spr if isinstance(pipeline_parallel_size, int) else 1
-        m = n_microbatches if n_microbatches is not None else stages
-        layout = cls(dp, pipeline_parallel_size, spr, schedule, m, tp)
+        wavefront = style == "wavefront"
+        m = n_microbatches if n_microbatches is not None else (1 if wavefront else stages)
+        k = time_chunks if time_chunks is not None else (stages if wavefront else 1)
+        layout = cls(dp, pipeline_parallel_size, spr, schedule, m, tp, k)
         layout.check_world_size(world_size)
         return layout
 
@@ -257,6 +291,11 @@ class ParallelLayout:
         """The size of every mesh dimension, by name (:data:`MESH_DIMS`)."""
         return dict(zip(MESH_DIMS, (self.data_parallel_size, self.pipeline_parallel_size, self.tensor_parallel_size),
                         strict=True))
+
+
+def default_stages_per_rank(style: str) -> int:
+    """Stages per process when the user gives none: 1 for one-stage and wavefront schedules, else 2."""
+    return 1 if style in ("single", "wavefront") else 2
 
 
 def _timeout_options(backend: str, timeout: timedelta, sizes: dict[str, int]) -> dict[str, Any] | None:

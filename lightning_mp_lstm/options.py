@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from lightning_mp_lstm.layout import LayoutError, ParallelLayout, schedule_style
+from lightning_mp_lstm.layout import LayoutError, ParallelLayout, default_stages_per_rank, schedule_style
 from lightning_mp_lstm.precision import NUMERICS
 from lightning_mp_lstm.validation import check_positive_int, check_positive_number
 
@@ -72,11 +72,11 @@ class ProcessOptions:
             return None
         return self.pipeline_parallel_size * self.data_parallel_size * self.tensor_parallel_size
 
-    def resolve(self, world_size: int, n_microbatches: int | None) -> ParallelLayout:
-        """The layout for ``world_size`` processes (``n_microbatches``: ``None`` for the default)."""
+    def resolve(self, world_size: int, n_microbatches: int | None, time_chunks: int | None = None) -> ParallelLayout:
+        """The layout for ``world_size`` processes (``n_microbatches``, ``time_chunks``: ``None`` for the default)."""
         layout = ParallelLayout.resolve(world_size, self.data_parallel_size, self.pipeline_parallel_size,
                                         self.stages_per_rank, self.schedule, n_microbatches,
-                                        self.tensor_parallel_size)
+                                        self.tensor_parallel_size, time_chunks)
         weights = self.data_parallel_weights
         if weights is not None and len(weights) != layout.data_parallel_size:
             raise LayoutError(f"data_parallel_weights={list(weights)} must hold one positive weight per replica "
@@ -90,7 +90,7 @@ class ProcessOptions:
         if stages is None:
             return None
         _, style = schedule_style(self.schedule)
-        spr = self.stages_per_rank or (1 if style == "single" else 2)
+        spr = self.stages_per_rank or default_stages_per_rank(style)
         if stages % spr:
             raise LayoutError(f"the partition has {stages} stages, which is not a multiple of stages_per_rank={spr}")
         return self.data_parallel_size * self.tensor_parallel_size * (stages // spr)

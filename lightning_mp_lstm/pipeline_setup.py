@@ -83,12 +83,15 @@ def check_run(
     if planned:
         return
     measured = options.partition == "balanced" and options.balance_by == "time"
-    if measured or options.auto_microbatches:
-        check_data(datamodule, "partition='balanced' with balance_by='time'" if measured else "n_microbatches='auto'")
+    if measured or options.auto_microbatches or options.auto_time_chunks:
+        check_data(datamodule, "partition='balanced' with balance_by='time'" if measured
+                   else "n_microbatches='auto'" if options.auto_microbatches else "time_chunks='auto'")
     if options.auto_microbatches:
         microbatch_candidates(layout, replica_rows(datamodule, layout), options.max_microbatches)
     elif fitting:
         process.check_batch(layout, datamodule)
+    if layout.time_chunks > 1 and not options.auto_time_chunks:
+        layout.check_time_chunks(getattr(datamodule, "bucket_lengths", None) or [])
 
 
 def plan_run(
@@ -98,7 +101,8 @@ def plan_run(
     """The run's plan, with blocks timed (where the options measure) in the dtypes they will train in."""
     length = getattr(datamodule, "mean_padded_length", None) or DEFAULT_LENGTH
     with precision.tensor_init_context(), precision.forward_context():
-        return make_plan(blocks, layout, options, replica_rows(datamodule, layout), max(1, round(length)), device)
+        return make_plan(blocks, layout, options, replica_rows(datamodule, layout), max(1, round(length)), device,
+                         getattr(datamodule, "bucket_lengths", None))
 
 
 def assemble_engine(

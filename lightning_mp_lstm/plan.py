@@ -9,6 +9,13 @@ Measured costs are measured where the blocks will run: for ``balance_by="time"``
 replica times the blocks of its stages in the even split, on its own device; for ``n_microbatches="auto"``
 every such rank times its final stages at each candidate microbatch size. No process ever needs more than its
 own share of the model. One step-time model (:func:`step_time`) serves every prediction.
+
+The ``Wavefront`` schedule has two axes to split a batch along: rows (``n_microbatches``) and time
+(``time_chunks``). Its ``"auto"`` times each rank's stages at every candidate row count, at the full length and at
+the shortest candidate chunk, and fits ``seconds = fixed + per_step x length`` (:class:`ChunkCost`: an LSTM's time is
+linear in the length, plus what a call costs whatever its length). That measured curve of cost against rows is what
+decides: on a GPU a row microbatch costs nearly what the whole batch does, so time chunks win; here both are
+weighed by the same step-time model over ``m x k`` units.
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ from lightning_mp_lstm.faults import gather, result_from
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.partition import PartitionError, even_partition, partition_blocks, validate_partition
 
-__all__ = ["BALANCE_BY", "PARTITIONS", "PipelinePlan", "PlanOptions", "make_plan", "microbatch_candidates",
-           "step_time"]
+__all__ = ["BALANCE_BY", "PARTITIONS", "ChunkCost", "PipelinePlan", "PlanOptions", "chunk_candidates", "make_plan",
+           "microbatch_candidates", "step_time"]
 
 #: Named partitions (besides explicit lists of block names per stage); ``"balanced<N>"`` (``"balanced4"``) is the
 #: balanced partition over N stages.
@@ -54,6 +61,10 @@ class PlanOptions:
         n_microbatches: microbatches per replica batch; ``None``: the number of stages; ``"auto"``: the count
             with the lowest predicted step time, from times measured at every candidate size.
         max_microbatches: the largest count ``"auto"`` considers.
+        time_chunks: chunks of the time axis (schedule ``"Wavefront"`` only); ``None``: the number of stages;
+            ``"auto"``: with ``n_microbatches``, the pair with the lowest predicted step time.
+        max_time_chunks: the largest count ``time_chunks="auto"`` considers (and never more than the shortest
+            bucket).
         num_stages: the stage count ``"balanced<N>"`` asks for (``N``); ``None`` otherwise.
     """
 
@@ -62,6 +73,8 @@ class PlanOptions:
     stage_speeds: tuple[float, ...] | None = None
     n_microbatches: int | str | None = None
     max_microbatches: int = 32
+    time_chunks: int | str | None = None
+    max_time_chunks: int = 16
     num_stages: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -98,16 +111,21 @@ class PlanOptions:
             ):
                 raise PartitionError(f"stage_speeds must be positive numbers, one per stage, got {speeds!r}")
             object.__setattr__(self, "stage_speeds", tuple(float(v) for v in speeds))
-        m = self.n_microbatches
-        if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1)):
-            if isinstance(m, str) and m.isdigit() and int(m) >= 1:
-                object.__setattr__(self, "n_microbatches", int(m))
-            else:
-                raise LayoutError(f"n_microbatches must be a positive integer, None or 'auto', got {m!r}")
+        for name in ("n_microbatches", "time_chunks"):
+            m = getattr(self, name)
+            if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1)):
+                if isinstance(m, str) and m.isdigit() and int(m) >= 1:
+                    object.__setattr__(self, name, int(m))
+                else:
+                    raise LayoutError(f"{name} must be a positive integer, None or 'auto', got {m!r}")
 
     @property
     def auto_microbatches(self) -> bool:
         return self.n_microbatches == "auto"
+
+    @property
+    def auto_time_chunks(self) -> bool:
+        return self.time_chunks == "auto"
 
     def stage_count(self, block_names: Sequence[str] | None = None) -> int | None:
         """The number of stages the partition itself implies (explicit lists, one per block), if any."""
@@ -170,6 +188,10 @@ class PlanOptions:
                 "stages or more layers"
             )
         self.fixed_partition(names, layout.num_stages)
+        if self.auto_time_chunks and layout.style != "wavefront":
+            raise LayoutError(f"time_chunks='auto' splits the time axis, which only schedule Wavefront does; "
+                              f"schedule {layout.schedule} splits the batch: use schedule='Wavefront' or leave "
+                              "time_chunks unset")
         if self.stage_speeds is not None and len(self.stage_speeds) != layout.num_stages:
             raise PartitionError(
                 f"stage_speeds has {len(self.stage_speeds)} values but the layout has {layout.num_stages} stages; "
@@ -193,6 +215,10 @@ class PipelinePlan:
         predictions: ``(m, predicted seconds per step)`` for every count ``n_microbatches="auto"`` weighed.
         split_blocks: the blocks whose parameters are split over the ``layout.tensor_parallel_size`` processes of
             their stage (each holds ``1 / tensor_parallel_size`` of them); empty without tensor parallelism.
+        unit_predictions: ``(m, k, predicted seconds per step)`` of every rows x chunks pair a Wavefront ``"auto"``
+            weighed.
+        chunk_costs: ``(m, fixed, per_step)`` seconds of the slowest rank's stages for one unit of ``rows / m`` rows
+            (:class:`ChunkCost`), measured for the same ``"auto"``.
     """
 
     layout: ParallelLayout
@@ -206,11 +232,13 @@ class PipelinePlan:
     stage_speeds: tuple[float, ...] | None = None
     predictions: tuple[tuple[int, float], ...] | None = None
     split_blocks: tuple[str, ...] = ()
+    unit_predictions: tuple[tuple[int, int, float], ...] | None = None
+    chunk_costs: tuple[tuple[int, float, float], ...] | None = None
     fingerprint: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         payload = json.dumps([repr(self.layout), self.partition, self.cost_kind, self.block_costs,
-                              self.predictions], default=str)
+                              self.predictions, self.unit_predictions], default=str)
         object.__setattr__(self, "fingerprint", hashlib.sha256(payload.encode()).hexdigest()[:16])
 
     @property
@@ -235,6 +263,42 @@ def step_time(microbatch_seconds: Sequence[float], n_microbatches: int) -> float
     Communication, the optimizer step and interleaving are left out.
     """
     return (n_microbatches - 1) * max(microbatch_seconds) + sum(microbatch_seconds)
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """Seconds of one unit on one rank as a function of its length: ``fixed + per_step x length``."""
+
+    fixed: float
+    per_step: float
+
+    @classmethod
+    def fit(cls, long: tuple[int, float], short: tuple[int, float]) -> ChunkCost:
+        """The line through ``(length, seconds)`` measured at two lengths (a single length: a line through 0);
+        never negative (noise can make the short run the slower one)."""
+        (n1, t1), (n0, t0) = long, short
+        if n1 == n0:
+            return cls(0.0, t1 / max(n1, 1))
+        per_step = max((t1 - t0) / (n1 - n0), 0.0)
+        fixed = max(t0 - per_step * n0, 0.0)
+        return cls(fixed, per_step if fixed + per_step * n1 > 0 else t1 / n1)
+
+    def seconds(self, length: int) -> float:
+        return self.fixed + self.per_step * length
+
+
+def chunk_candidates(length: int, bucket_lengths: Sequence[int] | None = None, max_time_chunks: int = 16) -> list[int]:
+    """The time-chunk counts ``time_chunks="auto"`` may choose: 1 to the shortest bucket (or ``length``), at most
+    ``max_time_chunks``."""
+    shortest = min(bucket_lengths) if bucket_lengths else length
+    return list(range(1, max(1, min(shortest, length, max_time_chunks)) + 1))
+
+
+def _unit_predictions(per_rank: Sequence[dict[int, ChunkCost]], counts: Sequence[int], chunks: Sequence[int],
+                      length: int) -> tuple[tuple[int, int, float], ...]:
+    """``(m, k, seconds)``: the step-time model over ``m x k`` units, each as long as the longest chunk."""
+    return tuple((m, k, step_time([costs[m].seconds(-(-length // k)) for costs in per_rank], m * k))
+                 for m in counts for k in chunks)
 
 
 def microbatch_candidates(layout: ParallelLayout, batch_rows: int, max_microbatches: int = 32) -> list[int]:
@@ -274,7 +338,7 @@ def _measure_on_first_replica(layout: ParallelLayout, global_rank: int, measure:
 
 
 def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_rows: int, length: int,
-              device: torch.device) -> PipelinePlan:
+              device: torch.device, bucket_lengths: Sequence[int] | None = None) -> PipelinePlan:
     """Plan the pipeline; every rank calls it (it is collective when a process group exists).
 
     Args:
@@ -283,6 +347,7 @@ def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_ro
         options: what the user chose.
         batch_rows: sequences per replica batch; ``length``: their mean padded length (the bucket mix).
         device: this process's device: every measurement runs there.
+        bucket_lengths: the data's sequence lengths, if known: ``time_chunks="auto"`` stays within the shortest.
 
     Raises:
         PartitionError, LayoutError: on every rank, when the options do not fit the model, layout or batch.
@@ -307,8 +372,32 @@ def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_ro
         costs = model.analytic_costs(kind, rows, length)
     if partition is None:
         partition = partition_blocks(names, costs, layout.num_stages, options.stage_speeds)
-    predictions = None
-    if options.auto_microbatches:
+    predictions = unit_predictions = chunk_costs = None
+    wavefront = layout.style == "wavefront"
+    if wavefront and (options.auto_microbatches or options.auto_time_chunks):
+        counts = microbatch_candidates(layout, batch_rows, options.max_microbatches) if options.auto_microbatches \
+            else [layout.n_microbatches]
+        chunks = chunk_candidates(length, bucket_lengths, options.max_time_chunks) if options.auto_time_chunks \
+            else [layout.time_chunks]
+        short = -(-length // max(chunks))
+
+        def time_units(pipeline_rank: int) -> dict[int, ChunkCost]:
+            blocks = [n for s in layout.stage_indices(pipeline_rank) for n in partition[s]]
+
+            def seconds(rows: int, steps: int) -> float:
+                return sum(profile.block_seconds(model, blocks, rows, steps, device, repeats=3, warmup=1).values())
+
+            return {m: ChunkCost.fit((length, seconds(batch_rows // m, length)),
+                                     (short, seconds(batch_rows // m, short)) if short < length else
+                                     (length, 0.0)) for m in counts}
+
+        per_rank = _measure_on_first_replica(layout, rank, time_units)
+        unit_predictions = _unit_predictions(per_rank, counts, chunks, length)
+        best_m, best_k, _ = min(unit_predictions, key=lambda item: (item[2], item[0] * item[1], item[0]))
+        layout = replace(layout, n_microbatches=best_m, time_chunks=best_k)
+        slowest = [max(per_rank, key=lambda costs: costs[m].seconds(length))[m] for m in counts]
+        chunk_costs = tuple((m, c.fixed, c.per_step) for m, c in zip(counts, slowest))
+    elif options.auto_microbatches:
         candidates = microbatch_candidates(layout, batch_rows, options.max_microbatches)
 
         def time_own_stages(pipeline_rank: int) -> dict[int, float]:
@@ -333,5 +422,7 @@ def make_plan(model: Any, layout: ParallelLayout, options: PlanOptions, batch_ro
         predictions=predictions,
         split_blocks=tuple(model.tensor_parallel_blocks()) if layout.tensor_parallel_size > 1 and hasattr(
             model, "tensor_parallel_blocks") else (),
+        unit_predictions=unit_predictions,
+        chunk_costs=chunk_costs,
     )
     return result_from(0, lambda: plan)  # rank 0's plan, everywhere

@@ -16,7 +16,7 @@ import torch
 from lightning_mp_lstm import profile
 from lightning_mp_lstm.faults import gather
 from lightning_mp_lstm.partition import even_partition, stage_totals
-from lightning_mp_lstm.plan import PipelinePlan
+from lightning_mp_lstm.plan import ChunkCost, PipelinePlan
 
 __all__ = ["Measurements", "measure", "render", "stage_summary"]
 
@@ -156,6 +156,10 @@ def render(plan: PipelinePlan, measurements: Measurements | None = None) -> str:
     ratio = bottleneck / even_bottleneck if even_bottleneck else 1.0
     lines.append(f"predicted step-time ratio vs even split: {ratio:.3f}")
     predicted = dict(plan.predictions).get(plan.n_microbatches) if plan.predictions else None
+    if plan.layout.style == "wavefront":
+        lines += axes(plan)
+        units = {(m, k): t for m, k, t in plan.unit_predictions or ()}
+        predicted = units.get((plan.n_microbatches, plan.layout.time_chunks))
     if plan.predictions:
         options = ", ".join(f"m={m}: {t * 1e3:.1f} ms" for m, t in plan.predictions)
         lines.append(f"n_microbatches=auto chose {plan.n_microbatches} (predicted step: {options})")
@@ -164,3 +168,35 @@ def render(plan: PipelinePlan, measurements: Measurements | None = None) -> str:
         shown = ["-" if v is None else f"{v * 1e3:.1f} ms" for v in (predicted, step)]
         lines.append(f"step time with m={plan.n_microbatches}: predicted {shown[0]}, measured {shown[1]}")
     return "\n".join(lines)
+
+
+def axes(plan: PipelinePlan) -> list[str]:
+    """A Wavefront plan's two axes: rows x time chunks, the bubble, and (after ``"auto"``) why that pair: what
+    splitting the rows and splitting the time axis cost on this device, measured."""
+    layout = plan.layout
+    m, k, stages = layout.n_microbatches, layout.time_chunks, layout.num_stages
+    units = m * k
+    lines = [f"axes: rows x time chunks = {m} x {k} = {units} units; bubble (S-1)/(units+S-1) = "
+             f"{(stages - 1) / (units + stages - 1):.1%} with S={stages}"]
+    if not plan.unit_predictions or not plan.chunk_costs:
+        return lines + [f"axis chosen by the options: n_microbatches={m}, time_chunks={k} as given "
+                        "(time_chunks='auto' measures both axes on this device and takes the fastest pair)"]
+    by_pair = {(a, b): t for a, b, t in plan.unit_predictions}
+    chosen = by_pair[(m, k)]
+    rows_only = min(((a, t) for (a, b), t in by_pair.items() if b == 1), key=lambda x: x[1], default=None)
+    time_only = min(((b, t) for (a, b), t in by_pair.items() if a == 1), key=lambda x: x[1], default=None)
+    others = [f"rows only (m={rows_only[0]}): {rows_only[1] * 1e3:.1f} ms" if rows_only else "",
+              f"time only (k={time_only[0]}): {time_only[1] * 1e3:.1f} ms" if time_only else ""]
+    lines.append(f"auto chose m={m} x k={k}: predicted {chosen * 1e3:.1f} ms per step; best "
+                 f"{', '.join(o for o in others if o)}")
+    costs = {rows: ChunkCost(fixed, per_step) for rows, fixed, per_step in plan.chunk_costs}
+    length = plan.length
+    if 1 in costs:
+        whole = costs[1].seconds(length)
+        row_tax = ", ".join(f"m={a}: {a * c.seconds(length) / whole:.2f}x" for a, c in sorted(costs.items()) if a > 1)
+        ks = sorted({b for _, b in by_pair if b > 1})
+        time_tax = ", ".join(f"k={b}: {b * costs[1].seconds(-(-length // b)) / whole:.2f}x" for b in ks[:6])
+        lines.append(f"why: on this device the whole batch's stages cost {whole * 1e3:.2f} ms at length {length}; "
+                     f"split into row microbatches they cost {row_tax or '-'} of that, split into time chunks "
+                     f"{time_tax or '-'}")
+    return lines

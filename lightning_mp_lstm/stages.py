@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
 
+from lightning_mp_lstm.blocks import TimeChunk
 from lightning_mp_lstm.timeline import RECORDER
 
 __all__ = ["ContiguousGrad", "Stage", "StageModule", "StageRandomness"]
@@ -132,6 +133,30 @@ class StageModule(nn.Module):
                     finite = torch.isfinite(x.detach().sum())  # NaN and infinity survive the sum: one pass, a scalar
                     self._finite[i] = finite if self._finite[i] is None else self._finite[i] & finite
         return x.contiguous()
+
+    @property
+    def recurrent_blocks(self) -> list[nn.Module]:
+        """The blocks that carry state along the time axis (those with a ``time_chunk`` slot), in order."""
+        return [block for block in self.blocks if hasattr(block, "time_chunk")]
+
+    def forward_chunk(self, x: torch.Tensor, initial: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Run one chunk of the time axis: each recurrent block starts from its entry of ``initial`` (``None``: the
+        state carried across batches, or zeros) and the final states come back with their autograd graph.
+
+        Returns:
+            The stage's output and one ``(h, c)`` per recurrent block (:attr:`recurrent_blocks`).
+        """
+        blocks = self.recurrent_blocks
+        chunks = [TimeChunk(initial[j] if initial is not None else None) for j in range(len(blocks))]
+        for block, chunk in zip(blocks, chunks):
+            block.time_chunk = chunk
+        try:
+            out = self(x)
+        finally:
+            for block in blocks:
+                block.time_chunk = None
+        return out, [chunk.final for chunk in chunks]
 
     def reset_finite_checks(self) -> None:
         """Forget the finite-output notes (before each training batch)."""

@@ -74,9 +74,12 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         stages_per_rank: pipeline stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and V-shaped
             schedules.
         schedule: one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV
-            (case-insensitive).
-        n_microbatches: microbatches per replica batch; default: the number of stages; ``"auto"``: the count with the
-            lowest step time predicted from stage times measured at every candidate size.
+            (torch's, splitting the batch's rows) or Wavefront (splitting its time axis; case-insensitive).
+        n_microbatches: microbatches per replica batch; default: the number of stages (1 for Wavefront); ``"auto"``:
+            the count with the lowest step time predicted from stage times measured at every candidate size.
+        time_chunks: chunks of every batch's time axis (Wavefront only), at most the shortest bucket; default: the
+            number of stages; ``"auto"``: with ``n_microbatches``, the rows x chunks pair with the lowest predicted
+            step time.
         partition: ``"even"``, ``"balanced"`` (the exact contiguous split minimizing the slowest stage; see
             ``balance_by``), ``"balanced<N>"`` (the same over N stages), ``"per_block"`` (one block per stage) or
             one list of block names per stage.
@@ -108,6 +111,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         stages_per_rank: int | None = None,
         schedule: str = "1F1B",
         n_microbatches: int | str | None = None,
+        time_chunks: int | str | None = None,
         partition: Sequence[Sequence[str]] | str | None = "even",
         balance_by: str = "time",
         stage_speeds: Sequence[float] | None = None,
@@ -128,7 +132,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
                          checkpoint_io=checkpoint_io if checkpoint_io is not None else ckpt.AtomicCheckpointIO())
         self._options = PlanOptions(partition="even" if partition is None else partition, balance_by=balance_by,
                                     stage_speeds=tuple(stage_speeds) if stage_speeds is not None else None,
-                                    n_microbatches=n_microbatches)
+                                    n_microbatches=n_microbatches, time_chunks=time_chunks)
         self._process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
                                        data_parallel_weights, stages_per_rank, schedule, checkpoint_format,
                                        timeout, num_threads, numerics)
@@ -155,8 +159,9 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         if self._plan is not None:
             return self._plan.layout
         if self._layout is None or self._layout.world_size != world_size:
-            m = self._options.n_microbatches
-            self._layout = self._process.resolve(world_size, m if isinstance(m, int) else None)
+            m, k = self._options.n_microbatches, self._options.time_chunks
+            self._layout = self._process.resolve(world_size, m if isinstance(m, int) else None,
+                                                 k if isinstance(k, int) else None)
         return self._layout
 
     def processes_for(self, model: pl.LightningModule) -> int | None:
@@ -339,7 +344,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
             TypeError: the model declares no pipeline (the message shows what to add), or planning needs the data's
                 batch shape and the data module does not say it.
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
-            LayoutError: ``n_microbatches`` does not fit the batch.
+            LayoutError: ``n_microbatches`` does not fit the batch, or ``time_chunks`` the shortest bucket.
         """
         check_run(self._blocks(model), type(model).__name__, self.precision_plugin, self.layout, self._options,
                   self._process, datamodule, planned=self._plan is not None, fitting=fitting)

@@ -136,12 +136,32 @@ def test_memory_overhead_and_advice_sections(quick):
 
 
 @pytest.mark.timeout(300)
+def test_wavefront_section_compares_time_chunks_with_row_microbatches(quick):
+    section = quick["results"]["sections"]["wavefront"]
+    rows = {r["variant"]: r for r in section["rows"]}
+    runs = QUICK.wave_runs[2]
+    expected = {"1 process"} | {f"pp2 GPipe, m={m}" for m in runs["m"]} | {f"pp2 wavefront, k={k}" for k in runs["k"]}
+    assert set(rows) == expected | {f"pp2 wavefront, m={m} x k={k}" for m, k in runs["mk"]}
+    assert rows["1 process"]["x_one_process"] == 1.0 and rows["1 process"]["bound_s"] is None
+    for name, row in rows.items():
+        assert len(row["peak_mib"]) == row["processes"] and all(p >= f > 0 for p, f in zip(row["peak_mib"],
+                                                                                            row["floor_mib"]))
+        if row["processes"] == 2:  # every pipeline against its own bound, over m x k units
+            assert row["units"] == row["m"] * row["k"] and _finite_positive(row["bound_s"]) and row["ratio"] > 0
+            assert row["bubble_predicted"] == pytest.approx(1 / (row["units"] + 1))
+    k = runs["k"][0]
+    assert (rows[f"pp2 wavefront, k={k}"]["m"], rows[f"pp2 wavefront, k={k}"]["k"]) == (1, k)
+    assert [g["name"].split(":")[0] for g in section["goals"]] == ["pp2", f"pp2 wavefront k={k}",
+                                                                    f"pp2 wavefront k={k}"]
+
+
+@pytest.mark.timeout(300)
 def test_page_mentions_every_section_and_shows_the_pictures(quick):
     page, results = quick["page"], quick["results"]
     for section in results["sections"].values():
         assert f"## {section['title']}" in page
     assert "## When does pipelining pay" in page
-    assert set(results["pictures"]) == {"pp2", "dp2_pp2"}
+    assert set(results["pictures"]) == {"pp2", "dp2_pp2", "wavefront_pp2"}
     for path in results["pictures"].values():
         picture = Path(path)
         assert picture.is_file() and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -105,7 +105,10 @@ EXPECTED: dict[tuple[str, str], dict[str, Any]] = {
     ("partition", "even"): {"strategy.partition": "even", "strategy.balance_by": "time"},
     ("partition", "manual"): {"strategy.partition": [["embedding", "lstm.0"], ["lstm.1", "decoder"]]},
     ("partition", "per_layer"): {"strategy.partition": "per_block"},
-    ("schedule", "default"): {"strategy.schedule": "1F1B", "strategy.n_microbatches": None},
+    ("schedule", "default"): {"strategy.schedule": "1F1B", "strategy.n_microbatches": None,
+                              "strategy.time_chunks": None},
+    ("schedule", "wavefront"): {"strategy.schedule": "Wavefront", "strategy.n_microbatches": 1,
+                                "strategy.time_chunks": "auto"},
     ("strategy", "mp_lstm"): {"strategy._target_": "lightning_mp_lstm.MPLSTMStrategy", "strategy.timeout": 300.0,
                               "strategy.report_after_steps": 5, "strategy.num_threads": "auto",
                               "strategy.checkpoint_format": "file"},
@@ -214,7 +217,7 @@ def _resolve(*overrides: str) -> tuple[MPLSTMStrategy, pl.LightningModule, pl.Tr
     strategy = build_strategy(cfg)
     model = build_model(cfg, strategy, VOCAB)
     trainer = build_trainer(cfg, strategy, model)
-    batch = SimpleNamespace(batch_size=32, mean_padded_length=20.0)  # the data's shape, as LMDataModule says it
+    batch = SimpleNamespace(batch_size=32, mean_padded_length=20.0, bucket_lengths=[20])  # as LMDataModule says
     strategy.check(model, batch)
     return strategy, model, trainer
 
@@ -238,6 +241,8 @@ def _resolve(*overrides: str) -> tuple[MPLSTMStrategy, pl.LightningModule, pl.Tr
         (["experiment=pp2_v2", "schedule.name=ZBVZeroBubble"], (1, 2, 2), 2),
         (["layout=pp2", "schedule.name=Interleaved1F1B"], (1, 2, 2), 2),  # stages per process follow the schedule
         (["layout=pp2", "schedule.name=GPipe"], (1, 2, 1), 2),
+        (["layout=pp2", "schedule=wavefront"], (1, 2, 1), 2),  # one stage per process unless the layout says more
+        (["layout=pp2", "schedule=wavefront", "layout.stages_per_rank=2", "schedule.time_chunks=4"], (1, 2, 2), 2),
         (["trainer.devices=2"], (1, 2, 1), 2),
         (["experiment=mxnet2"], (1, 2, 1), 2),  # the partition's two stages make two processes
         (["trainer.devices=2", "experiment=mxnet2"], (1, 2, 1), 2),
@@ -302,6 +307,15 @@ def test_experiment_choices_yield_to_the_command_line():
         (["layout=pp2", "layout.stages_per_rank=1", "schedule.name=Interleaved1F1B"], LayoutError,
          r"multi-stage schedule and needs stages_per_rank >= 2"),
         (["trainer.devices=4", "experiment=mxnet2"], PartitionError, r"the partition has 2 stages but num_stages=4"),
+        (["layout=pp2", "+schedule.time_chunks=4"], LayoutError,
+         r"time_chunks=4 splits the time axis, which only schedule Wavefront does; schedule 1F1B splits the batch"),
+        (["layout=pp2", "schedule=wavefront", "schedule.time_chunks=0"], LayoutError,
+         r"time_chunks must be a positive integer, None or 'auto', got 0"),
+        (["layout=pp2", "schedule.name=GPipe", "+schedule.time_chunks=auto"], LayoutError,
+         r"time_chunks='auto' splits the time axis, which only schedule Wavefront does; schedule GPipe"),
+        (["layout=pp2", "schedule=wavefront", "schedule.time_chunks=21"], LayoutError,
+         r"time_chunks=21 splits every batch's time axis into 21 chunks, but the shortest bucket has 20 steps "
+         r"\(buckets \[20\]\); allowed: 1 to 20, or 'auto'"),
         (["layout=pp2", "trainer.num_nodes=4"], LayoutError,
          r"the layout needs 2 processes, which cannot be spread evenly over trainer.num_nodes=4"),
     ],

@@ -50,7 +50,7 @@ def test_the_stage_cache_keeps_the_most_recently_used_shapes_only(monkeypatch):
     engine = PipelineEngine.__new__(PipelineEngine)  # only the cache: no model, no process group
     engine.__dict__.update(max_cached_shapes=3, _schedules=OrderedDict())
     built = []
-    monkeypatch.setattr(engine, "_build_schedule", lambda with_loss: built.append(with_loss) or object(),
+    monkeypatch.setattr(engine, "_build_schedule", lambda with_loss, **shape: built.append(with_loss) or object(),
                         raising=False)
     for rows in (8, 7, 6, 8, 5, 4):  # 8 again before it is the oldest: kept, not rebuilt
         engine._schedule(torch.Size([rows, 9]), "train")

@@ -18,7 +18,7 @@ DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
 PAGES = [
     "index", "quickstart", "bring_your_own_model", "strategy", "architecture", "configuration", "layouts",
-    "tensor_parallel", "partitioning",
+    "tensor_parallel", "partitioning", "wavefront",
     "timeline", "reliability", "gpu", "data", "language_models", "generation", "benchmarks", "results", "api",
     "dependencies",
 ]

@@ -47,6 +47,7 @@ def _bad_setup_worker(rank: int, world_size: int) -> list[str]:
         (dict(stages_per_rank=2, schedule="Interleaved1F1B", n_microbatches=2), dict(num_layers=1)),
         (dict(n_microbatches=3), dict()),
         (dict(n_microbatches=16), dict()),
+        (dict(schedule="Wavefront", n_microbatches=1, time_chunks=6), dict()),  # FixedBatches: buckets [5, 9]
     ]
     messages = []
     for strategy_kwargs, model_kwargs in cases:
@@ -65,8 +66,10 @@ def _bad_setup_worker(rank: int, world_size: int) -> list[str]:
 def test_bad_configurations_fail_in_setup_on_every_rank():
     results = run_ranks(_bad_setup_worker, 2, timeout=100)
     assert results[0] == results[1]
-    unknown, too_many_stages, not_dividing, too_large = results[0]
+    unknown, too_many_stages, not_dividing, too_large, too_many_chunks = results[0]
     assert "PartitionError" in unknown and "'lstm.7'" in unknown and "lstm.1" in unknown and "decoder" in unknown
     assert "PartitionError" in too_many_stages and "4" in too_many_stages and "3" in too_many_stages
     assert "n_microbatches=3 must divide the per-replica batch of 8" in not_dividing and "[1, 2, 4, 8]" in not_dividing
     assert "n_microbatches=16" in too_large and "at most 8" in too_large
+    assert too_many_chunks == ("LayoutError: time_chunks=6 splits every batch's time axis into 6 chunks, but the "
+                               "shortest bucket has 5 steps (buckets [5, 9]); allowed: 1 to 5, or 'auto'")

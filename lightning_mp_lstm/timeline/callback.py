@@ -83,7 +83,7 @@ class PipelineTimeline(pl.Callback):
         num_stages = layout.num_stages if layout is not None else 1
         stage_ranks = {s: layout.rank_of_stage(s) for s in range(num_stages)} if layout is not None else {0: 0}
         record = StepRecord(step=self._step, wall=max(w for _, w, _ in parts), spans=spans, tokens=tokens,
-                            num_stages=num_stages, n_microbatches=layout.n_microbatches if layout else 1,
+                            num_stages=num_stages, n_microbatches=layout.units if layout else 1,
                             schedule=layout.schedule if layout else "none", stage_ranks=stage_ranks)
         self.records.append(record)
         p = layout.pipeline_parallel_size if layout is not None else 1

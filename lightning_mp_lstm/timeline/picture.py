@@ -55,7 +55,8 @@ def draw(record: StepRecord, path: str | Path) -> Any:
     axes.set_xlabel("milliseconds since the step started")
     ranks = len(set(record.stage_ranks.values())) or 1
     predicted = predicted_bubble(record.schedule, ranks, max(1, record.num_stages // ranks), record.n_microbatches)
-    axes.set_title(f"step {record.step}: {record.schedule}, {record.n_microbatches} microbatches, "
+    pieces = "units (rows x time chunks)" if record.schedule == "Wavefront" else "microbatches"
+    axes.set_title(f"step {record.step}: {record.schedule}, {record.n_microbatches} {pieces}, "
                    f"{record.wall * 1e3:.1f} ms; bubble measured {record.bubble():.1%}, predicted {predicted:.1%}")
     kinds = sorted({span.kind for span in record.spans}, key=list(COLOURS).index)
     axes.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], loc="upper right", fontsize=7,

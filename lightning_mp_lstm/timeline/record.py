@@ -57,7 +57,7 @@ class StepRecord:
         spans: every rank's spans.
         tokens: real (unpadded) tokens of the step, over all replicas.
         num_stages: pipeline stages of the model.
-        n_microbatches: microbatches per step.
+        n_microbatches: microbatches per step (for ``"Wavefront"``: units, row microbatches x time chunks).
         schedule: the schedule's name, as torch spells it.
         stage_ranks: the global rank of every stage in replica 0.
     """
