@@ -88,7 +88,8 @@ class Sizes:
     wave_rows: int = 32
     wave_length: int = 35
     wave_runs: dict[int, dict[str, tuple]] = field(default_factory=lambda: {
-        2: {"m": (2, 4), "k": (2, 4, 8), "mk": ((2, 2),)}})
+        2: {"m": (2, 4), "k": (2, 4, 8), "mk": ((2, 2),)},
+        4: {"m": (4, 8), "k": (4, 8), "mk": ()}})  # 4 single-thread processes on 2 cores: oversubscribed
     wave_picture_k: int = 4
     #: each run in fresh processes (its peak memory its own); otherwise with the other sections' jobs
     wave_fresh: bool = True
