@@ -153,6 +153,40 @@ class Gradients(pl.Callback):
                            if p.grad is not None})
 
 
+def fit_and_record(strategy: Any, devices: int, model: pl.LightningModule, data: Any, steps: int,
+                   validations: int = 1) -> dict[str, Any]:
+    """Fit ``model`` for ``steps`` (gradient clipping 0.5, 3 validation batches at the end), recording the loss and
+    every gradient of every step, then validate ``validations`` times.
+
+    Returns:
+        ``params`` (the final parameters), ``losses``, ``grads`` (per step) and ``val`` (one loss per validation).
+    """
+    losses, grads = TrainLosses(), Gradients()
+    trainer = quiet_trainer(strategy, devices, [losses, grads], max_steps=steps, gradient_clip_val=0.5,
+                            limit_val_batches=3, val_check_interval=steps)
+    trainer.fit(model, datamodule=data)
+    val = [trainer.validate(model, datamodule=data, verbose=False)[0]["val/loss"] for _ in range(validations)]
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": losses.values,
+            "grads": grads.steps, "val": val}
+
+
+def cpu_engine(module: torch.nn.Module, layout: Any, rank: int) -> Any:
+    """The pipeline engine of ``rank`` for ``module`` on ``layout``: a CPU mesh, an even partition."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_mp_lstm.declaration import pipeline_model
+    from lightning_mp_lstm.engine import ProcessGroups, build_engine
+    from lightning_mp_lstm.layout import MESH_DIMS
+    from lightning_mp_lstm.partition import even_partition
+
+    replica, pipeline_rank = layout.coordinates(rank)[:2]
+    mesh = init_device_mesh("cpu", (layout.data_parallel_size, layout.pipeline_parallel_size, 1),
+                            mesh_dim_names=MESH_DIMS)
+    blocks = pipeline_model(module)
+    return build_engine(blocks, layout, even_partition(blocks.block_names, layout.num_stages), pipeline_rank,
+                        replica, ProcessGroups.of(mesh), torch.device("cpu"))
+
+
 # ----- comparisons -----------------------------------------------------------------------------------------
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` (Frobenius norms)."""

@@ -7,16 +7,11 @@ import copy
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_mp_lstm.declaration import pipeline_model
-from lightning_mp_lstm.engine import ProcessGroups, build_engine
-from lightning_mp_lstm.layout import MESH_DIMS, ParallelLayout
+from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.model import token_loss_sum
-from lightning_mp_lstm.partition import even_partition
-from tests.helpers import lm_batches, rel_error, run_ranks, tiny_model
+from tests.helpers import cpu_engine, lm_batches, rel_error, run_ranks, tiny_model
 
 
 def _compare_worker(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
@@ -26,14 +21,9 @@ def _compare_worker(rank: int, world_size: int, configs: list[dict]) -> list[dic
         cfg = dict(cfg)
         ragged = cfg.pop("ragged", False)  # rows not divisible by n_microbatches: padded with empty rows
         layout = ParallelLayout(**cfg)
-        dp_rank, pp_rank = layout.coordinates(rank)
-        mesh = init_device_mesh("cpu", (layout.data_parallel_size, layout.pipeline_parallel_size, 1),
-                                mesh_dim_names=MESH_DIMS)
         module = tiny_model(num_layers=max(2, layout.num_stages - 1))
         reference = copy.deepcopy(module)
-        blocks = pipeline_model(module)
-        engine = build_engine(blocks, layout, even_partition(blocks.block_names, layout.num_stages), pp_rank,
-                              dp_rank, ProcessGroups.of(mesh), torch.device("cpu"))
+        engine = cpu_engine(module, layout, rank)
         share = 2 * layout.n_microbatches - (1 if ragged else 0)
         worst = {"loss": 0.0, "grad": 0.0, "params": len(list(module.parameters()))}
         for inputs, targets in lm_batches(share * layout.data_parallel_size, lengths=(5, 9)):

@@ -21,10 +21,9 @@ from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.data import LMDataModule
 from lightning_mp_lstm.data.stream import TokenStream
 from tests.helpers import (
-    Gradients,
-    TrainLosses,
     assert_ranks_match,
     assert_same_training,
+    fit_and_record,
     quiet_trainer,
     run_ranks,
     tiny_model,
@@ -65,13 +64,7 @@ def _model(vocab: int, carry_state: bool = True) -> Any:
 def _fit(strategy: Any, devices: int, carry_state: bool = True) -> dict:
     warnings.filterwarnings("ignore")
     data = _data()
-    model, losses, grads = _model(data.vocab_size, carry_state), TrainLosses(), Gradients()
-    trainer = quiet_trainer(strategy, devices, [losses, grads], max_steps=STEPS, gradient_clip_val=0.5,
-                            limit_val_batches=3, val_check_interval=STEPS)
-    trainer.fit(model, datamodule=data)
-    val = [trainer.validate(model, datamodule=data, verbose=False)[0]["val/loss"] for _ in range(2)]
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": losses.values,
-            "grads": grads.steps, "val": val}
+    return fit_and_record(strategy, devices, _model(data.vocab_size, carry_state), data, STEPS, validations=2)
 
 
 def _worker(rank: int, world_size: int, kwargs: dict) -> dict:

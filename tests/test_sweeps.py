@@ -157,8 +157,8 @@ def test_release_kills_children_that_outlive_the_wait_without_lightnings_observe
 
 
 @pytest.mark.parametrize("path", [
-    "/tmp/sweep/layout=pp2,seed=1", "/tmp/a b/c", "/tmp/it's", '/tmp/say "x"', "/tmp/back\\slash\\",
-    "/tmp/q\\'x", "/tmp/${oc.env:HOME}", "/tmp/[1,2]/{k:v}", "/tmp/\\${x}",
+    "outputs/sweep/layout=pp2,seed=1", "outputs/a b/c", "outputs/it's", 'outputs/say "x"', "outputs/back\\slash\\",
+    "outputs/q\\'x", "outputs/${oc.env:HOME}", "outputs/[1,2]/{k:v}", "outputs/\\${x}",
 ])
 def test_hydra_quote_parses_back_to_the_same_path(path):
     with initialize(version_base="1.3", config_path=None):

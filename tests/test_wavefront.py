@@ -18,19 +18,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LayoutError, MPLSTMStrategy, advice, report
 from lightning_mp_lstm import plan as plan_module
 from lightning_mp_lstm.advice import Calibration, advise
 from lightning_mp_lstm.data import LMDataModule
-from lightning_mp_lstm.declaration import pipeline_model
-from lightning_mp_lstm.engine import ProcessGroups, build_engine
 from lightning_mp_lstm.language_model import prediction_from_logits
-from lightning_mp_lstm.layout import MESH_DIMS, ParallelLayout
+from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.model import token_loss_sum
-from lightning_mp_lstm.partition import even_partition
 from lightning_mp_lstm.plan import ChunkCost, PlanOptions, chunk_candidates, make_plan, step_time
 from lightning_mp_lstm.wavefront import chunk_lengths
 from tests.helpers import (
@@ -39,6 +35,8 @@ from tests.helpers import (
     TrainLosses,
     assert_ranks_match,
     assert_same_training,
+    cpu_engine,
+    fit_and_record,
     lm_batches,
     quiet_trainer,
     rel_error,
@@ -149,14 +147,9 @@ def _engine_worker(rank: int, world_size: int, configs: list[dict]) -> list[dict
         cfg = dict(cfg)
         rows = cfg.pop("rows", 4)
         layout = ParallelLayout(**cfg)
-        replica, pipeline_rank = layout.coordinates(rank)
-        mesh = init_device_mesh("cpu", (layout.data_parallel_size, layout.pipeline_parallel_size, 1),
-                                mesh_dim_names=MESH_DIMS)
         module = tiny_model(num_layers=max(2, layout.num_stages - 1))
         reference = copy.deepcopy(module)
-        blocks = pipeline_model(module)
-        engine = build_engine(blocks, layout, even_partition(blocks.block_names, layout.num_stages), pipeline_rank,
-                              replica, ProcessGroups.of(mesh), torch.device("cpu"))
+        engine = cpu_engine(module, layout, rank)
         worst = {"loss": 0.0, "grad": 0.0, "eval": 0.0, "log_probs": 0.0, "tokens_equal": True}
         for inputs, targets in lm_batches(rows * layout.data_parallel_size, lengths=LENGTHS):
             module.zero_grad(set_to_none=True)
@@ -288,13 +281,7 @@ def _fit_stream(strategy: Any, devices: int, carry_state: bool = True) -> dict:
     data = LMDataModule(**STREAM)
     data.setup("fit")
     model = tiny_model(num_layers=3, vocab=data.vocab_size, optimizer="adam", lr=0.02, carry_state=carry_state)
-    losses, grads = TrainLosses(), Gradients()
-    trainer = quiet_trainer(strategy, devices, [losses, grads], max_steps=STEPS, gradient_clip_val=0.5,
-                            limit_val_batches=3, val_check_interval=STEPS)
-    trainer.fit(model, datamodule=data)
-    val = trainer.validate(model, datamodule=data, verbose=False)[0]["val/loss"]
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": losses.values,
-            "grads": grads.steps, "val": val}
+    return fit_and_record(strategy, devices, model, data, STEPS)
 
 
 def _stream_worker(rank: int, world_size: int, kwargs: dict) -> dict:
