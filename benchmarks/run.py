@@ -142,7 +142,7 @@ def _run(fixed: dict[int, list[dict[str, Any]]], sizes: Sizes, need_layouts: boo
                 continue
             log(f"  round {r + 1}/{rounds}: {len(todo)} runs on {world} process(es) ...")
             started = time.perf_counter()
-            ranks = jobs.spawn(world, todo, sizes.timeout)
+            ranks = jobs.spawn(world, todo, sizes.timeout, sizes.start_method)
             spent: dict[str, float] = {}
             for i, job in enumerate(todo):
                 per_rank = [on_rank[i][0] for on_rank in ranks]
@@ -199,7 +199,8 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
             started = time.perf_counter()
             for world, job in todo:
                 fresh.append((job, jobs.merge(job, [on_rank[0][0] for on_rank in jobs.spawn(world, [job],
-                                                                                            sizes.timeout)])))
+                                                                                            sizes.timeout,
+                                                                                            sizes.start_method)])))
             log(f"    {time.perf_counter() - started:.0f} s")
         else:
             for world, job in todo:

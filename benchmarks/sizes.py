@@ -111,6 +111,9 @@ class Sizes:
     overhead_rounds: int = 2
     # seconds each group of processes may take
     timeout: float = 1800.0
+    #: how the ranks start (lightning_mp_lstm.testing.run_ranks): "spawn" as launched ranks do, or "forkserver"
+    #: (torch and Lightning imported once; QUICK, where only the schema and the flow are checked)
+    start_method: str = "spawn"
 
 
 FULL = Sizes()
@@ -129,5 +132,5 @@ QUICK = Sizes(
     wave_model=_model(64, 16, 16, 2), wave_rows=16, wave_length=8,
     wave_runs={2: {"m": (2,), "k": (2,), "mk": ((2, 2),)}},
     wave_picture_k=2, wave_warmup=1, wave_steps=2, wave_fresh=False,
-    timeout=300.0,
+    timeout=300.0, start_method="forkserver",
 )

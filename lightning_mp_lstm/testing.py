@@ -27,8 +27,11 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["PTB_ENV", "free_port", "ptb_dir", "run_ranks"]
+__all__ = ["PTB_ENV", "START_METHODS", "free_port", "ptb_dir", "run_ranks"]
 
+#: How :func:`run_ranks` may start its processes (``fork`` is left out: a forked pytest or Trainer process
+#: carries its threads' locks into the child).
+START_METHODS = ("spawn", "forkserver")
 #: The environment variable that overrides where the PTB files are.
 PTB_ENV = "LIGHTNING_MP_LSTM_PTB_DIR"
 
@@ -64,8 +67,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
-    """One spawned rank: set the launcher environment, run ``fn`` on one thread, pickle its result."""
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple,
+           environment: dict[str, str]) -> None:
+    """One started rank: take the caller's environment, set the launcher's, run ``fn`` on one thread, pickle its
+    result."""
+    # A forkserver's child inherits the server's environment as it was when the server started; the caller's now is
+    # what a spawned rank would see.
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0")
     torch.set_num_threads(1)
@@ -74,8 +83,8 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              allow_missing: bool = False) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes and return their results.
+              allow_missing: bool = False, start_method: str = "spawn") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes and return their results.
 
     The ranks find each other through the ``MASTER_ADDR``/``MASTER_PORT``/``RANK`` environment, the same
     variables ``torchrun`` sets, so Lightning treats them as externally launched: give the Trainer
@@ -88,18 +97,26 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         timeout: seconds the ranks may take together; ranks still alive then are killed.
         allow_missing: a rank that died without a result (killed on purpose) gives ``None`` instead of
             failing the call.
+        start_method: ``"spawn"`` (a fresh interpreter per rank: each imports torch and Lightning, seconds per
+            rank) or ``"forkserver"`` (ranks forked from one server process, started at the first call; with
+            ``multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch"])`` before that call the server
+            imports them once and a rank starts in milliseconds). Either way a rank sees the caller's environment
+            as it is at the call.
 
     Returns:
         Every rank's result, in rank order.
 
     Raises:
+        ValueError: ``start_method`` is not one of :data:`START_METHODS`.
         TimeoutError: the ranks did not finish within ``timeout``.
         torch.multiprocessing.ProcessRaisedException: a rank raised (the message holds its traceback).
         torch.multiprocessing.ProcessExitedException: a rank died without raising (killed, or a crash).
     """
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r}; allowed: {', '.join(START_METHODS)}")
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args, dict(os.environ)),
+                                 nprocs=world_size, join=False, start_method=start_method)
         deadline = time.monotonic() + timeout
         try:
             while True:
