@@ -32,6 +32,7 @@ __all__ = ["PeerDirectory", "everywhere", "gather", "looks_like_lost_peer", "obj
 T = TypeVar("T")
 
 _FAILURE_KEY = "mp_lstm/failure/{rank}"
+_EXPLAINED_KEY = "mp_lstm/lost_peer/{rank}"
 # What gloo and nccl say when a peer is gone or silent (the text, not the type, is stable across versions).
 _LOST_PEER = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out|timed out|Socket Timeout"
@@ -173,6 +174,9 @@ class PeerDirectory:
     """Every rank's host and pid, and the failures ranks report, to name the rank a survivor lost.
 
     Create it on every rank right after the process group exists (:meth:`gather` is a collective).
+
+    The reports travel through the process group's store, which rank 0 hosts (unless ``torchrun``'s agent does):
+    a survivor that notices its loss only after rank 0 has ended cannot read them, and names what it can see.
     """
 
     def __init__(self, peers: list[_Peer], rank: int) -> None:
@@ -194,54 +198,61 @@ class PeerDirectory:
         except Exception:  # noqa: BLE001  (no store: nothing to report to)
             return None
 
-    def report_failure(self, error: BaseException) -> None:
-        """Tell the other ranks (through the process group's store) that this rank failed, and why."""
+    def _set(self, key: str, value: str) -> None:
         store = self._store()
         if store is None:
             return
         try:
-            store.set(_FAILURE_KEY.format(rank=self.rank), f"{type(error).__name__}: {error}"[:800])
+            store.set(key.format(rank=self.rank), value)
         except Exception:  # noqa: BLE001  (the store lives on rank 0, which may be gone)
             pass
 
-    def _reported(self) -> dict[int, str]:
+    def report_failure(self, error: BaseException) -> None:
+        """Tell the other ranks (through the process group's store) that this rank failed, and why."""
+        self._set(_FAILURE_KEY, f"{type(error).__name__}: {error}"[:800])
+
+    def _read(self, key: str) -> dict[int, str]:
+        """Every other rank's value of ``key`` (``{rank}`` in it), for the ranks that set it."""
         store = self._store()
-        reported: dict[int, str] = {}
+        found: dict[int, str] = {}
         if store is None:
-            return reported
+            return found
         for peer in self.peers:
-            key = _FAILURE_KEY.format(rank=peer.rank)
+            name = key.format(rank=peer.rank)
             try:
-                if peer.rank != self.rank and store.check([key]):
-                    reported[peer.rank] = store.get(key).decode(errors="replace")
+                if peer.rank != self.rank and store.check([name]):
+                    found[peer.rank] = store.get(name).decode(errors="replace")
             except Exception:  # noqa: BLE001  (store unreachable)
                 break
-        return reported
+        return found
+
+    def _dead(self) -> list[_Peer]:
+        host = socket.gethostname()
+        return [p for p in self.peers if p.rank != self.rank and p.host == host and not _alive(p.pid)]
 
     def lost_peers(self, wait: float = 2.0) -> list[str]:
         """What is known of the ranks that failed: a failure they reported, or their process gone.
 
-        A failing rank reports a moment after its peers may notice it, so this polls for up to ``wait`` s.
+        A rank that only lost a peer itself (and said so) is not a cause: it is left out. A failing rank reports a
+        moment after its peers may notice it, so this polls for up to ``wait`` s.
         """
-        host = socket.gethostname()
         deadline = time.monotonic() + wait
         while True:
-            reported = self._reported()
-            dead = [p for p in self.peers if p.rank != self.rank and p.host == host and not _alive(p.pid)]
+            reported, explained, dead = self._read(_FAILURE_KEY), self._read(_EXPLAINED_KEY), self._dead()
             found = []
             for peer in self.peers:
                 where = f"rank {peer.rank} (pid {peer.pid} on {peer.host})"
                 if peer.rank in reported:
                     found.append(f"{where} failed with {reported[peer.rank]}")
-                elif peer in dead:
+                elif peer in dead and peer.rank not in explained:
                     found.append(f"{where} is no longer running (killed or crashed)")
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(0.2)
 
     def explain(self, error: BaseException) -> None:
-        """Rewrite a lost-peer ``error`` in place so it names the failed rank(s); report other errors as this
-        rank's own failure."""
+        """Rewrite a lost-peer ``error`` in place so it names the failed rank(s), and tell the others this rank only
+        lost a peer; report other errors as this rank's own failure."""
         if not looks_like_lost_peer(error):
             self.report_failure(error)
             return
@@ -250,5 +261,6 @@ class PeerDirectory:
             summary = "; ".join(lost)
         else:
             summary = "no rank reported a failure and every rank on this host is running (one may be stuck)"
+        self._set(_EXPLAINED_KEY, summary[:800])
         message = f"mp_lstm: rank {self.rank} stopped because it lost a peer: {summary}. Transport error: {error}"
         error.args = (message, *error.args[1:])

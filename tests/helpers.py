@@ -250,8 +250,9 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed.pipelining", "lightning.pytorc
 
 
 def run_ranks(fn: Any, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
-    """:func:`lightning_mp_lstm.testing.run_ranks` with its ranks forked from the forkserver."""
-    return testing.run_ranks(fn, world_size, *args, start_method="forkserver", **kwargs)
+    """:func:`lightning_mp_lstm.testing.run_ranks` with its ranks forked from the forkserver unless ``start_method``
+    says otherwise."""
+    return testing.run_ranks(fn, world_size, *args, **{"start_method": "forkserver", **kwargs})
 
 
 def run_command(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import socket
+import subprocess
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -66,7 +69,9 @@ def _crash_worker(rank: int, world_size: int, flags: str) -> dict:
 
 @pytest.mark.timeout(150)
 def test_a_crashed_rank_ends_every_rank_within_the_timeout(tmp_path):
-    results = run_ranks(_crash_worker, 4, str(tmp_path), timeout=120)
+    # Spawned, not forked: a spawned rank ends through interpreter shutdown as a launched rank does, a forked one at
+    # once, and the order in which the survivors see rank 0 (the store's host) go is what this test is about.
+    results = run_ranks(_crash_worker, 4, str(tmp_path), timeout=120, start_method="spawn")
     crashed = results[CRASHED_RANK]
     assert crashed["error"] == "RuntimeError"
     assert crashed["message"] == f"simulated failure on rank {CRASHED_RANK} at batch {CRASH_BATCH}"
@@ -118,3 +123,47 @@ def test_strategy_name_and_a_second_import_are_harmless():
         MPLSTMStrategy.register_strategies(StrategyRegistry)
     assert type(build().strategy) is MPLSTMStrategy
     assert isinstance(MPLSTMStrategy(timeout=3)._process.timeout, timedelta)
+
+
+class _DictStore:
+    """The part of a c10d store that :class:`PeerDirectory` uses."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+
+def _ended_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_rank_that_only_lost_a_peer_is_not_named_as_the_cause(monkeypatch):
+    """Rank 2 ended after naming its own loss; rank 1 was killed. Rank 0 names rank 1 only, and rank 3 (which
+    reported its own error) with its message."""
+    from lightning_mp_lstm import faults
+
+    store = _DictStore()
+    monkeypatch.setattr(faults.PeerDirectory, "_store", staticmethod(lambda: store))
+    host = socket.gethostname()
+    peers = [faults._Peer(0, host, os.getpid()), faults._Peer(1, host, _ended_pid()),
+             faults._Peer(2, host, _ended_pid()), faults._Peer(3, host, os.getpid())]
+    faults.PeerDirectory(peers, 2).explain(RuntimeError("Connection closed by peer [127.0.0.1]:1"))
+    faults.PeerDirectory(peers, 3).explain(ValueError("bad batch"))
+    error = RuntimeError("Connection closed by peer [127.0.0.1]:2")
+    faults.PeerDirectory(peers, 0).explain(error)
+    where = f"rank 1 (pid {peers[1].pid} on {host})"
+    assert str(error).startswith(f"mp_lstm: rank 0 stopped because it lost a peer: {where} is no longer running "
+                                 f"(killed or crashed); rank 3 (pid {os.getpid()} on {host}) failed with "
+                                 "ValueError: bad batch. Transport error: Connection closed by peer")
+    assert "rank 2" not in str(error)
+    assert store.values["mp_lstm/lost_peer/2"].decode().startswith(f"{where} is no longer running")

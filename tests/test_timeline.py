@@ -55,13 +55,16 @@ def test_every_microbatch_of_every_stage_is_recorded(pp2):
         busy = record.busy_per_rank()
         assert set(busy) == {0, 1} and all(0 < t < record.wall for t in busy.values())
         assert 0 < record.bubble() < 1 and record.tokens > 0
+        # The schedule ends before the step does (the optimizer step follows it): less idle time in its window.
+        assert max(s.end for s in record.spans) == record.schedule_end < record.wall
+        assert 0 < record.schedule_bubble() < record.bubble()
 
 
 @pytest.mark.timeout(200)
 def test_metrics_are_logged_next_to_the_predicted_bubble(pp2):
     metrics = pp2[0][0]["metrics"]
     assert metrics["timeline/bubble_predicted"] == pytest.approx(1 / 3)  # 1F1B, 2 ranks, 2 microbatches
-    assert 0 < metrics["timeline/bubble_measured"] < 1
+    assert 0 < metrics["timeline/bubble_schedule"] < metrics["timeline/bubble_measured"] < 1
     assert metrics["timeline/busy_s/stage_0"] > 0 and metrics["timeline/busy_s/stage_1"] > 0
     assert metrics["timeline/tokens_per_s"] > 0
 
@@ -116,6 +119,20 @@ def test_with_replicas_every_rank_gets_its_own_rows(tmp_path):
     labels = [t.get_text() for t in figure.axes[0].get_yticklabels()]
     assert labels == ["stage 0 (rank 0)", "stage 1 (rank 1)", "stage 0 (rank 2)", "stage 1 (rank 3)"]
     assert (tmp_path / "dp.png").stat().st_size > 0
+
+
+def test_the_schedule_bubble_leaves_out_the_steps_tail(tmp_path):
+    """Two ranks, 4 ms of computation each in a schedule that ends at 8 ms of a 10 ms step: 60% of the step is idle,
+    50% of the schedule; the picture says both."""
+    spans = [Span(0, 0, "forward", 0, 0.000, 0.002), Span(1, 1, "forward", 0, 0.002, 0.004),
+             Span(1, 1, "backward", 0, 0.004, 0.006), Span(0, 0, "backward", 0, 0.006, 0.008),
+             Span(1, 1, "send", 0, 0.006, 0.0065, direction="backward", peer_stage=0)]
+    record = StepRecord(step=0, wall=0.010, spans=spans, tokens=4, num_stages=2, n_microbatches=1,
+                        schedule="GPipe", stage_ranks={0: 0, 1: 1})
+    assert record.schedule_end == pytest.approx(0.008)
+    assert record.bubble() == pytest.approx(0.6) and record.schedule_bubble() == pytest.approx(0.5)
+    title = draw(record, tmp_path / "tail.png").axes[0].get_title()
+    assert "bubble measured 60.0% (in the schedule 50.0%), predicted 50.0%" in title
 
 
 def test_a_torch_without_the_private_p2p_functions_is_named_clearly(monkeypatch):

@@ -25,7 +25,8 @@ class PipelineTimeline(pl.Callback):
     """Record where sampled training steps spend their time, on every rank; log it and draw it.
 
     After each recorded step it logs ``timeline/tokens_per_s``, ``timeline/busy_s/stage_<i>``,
-    ``timeline/bubble_measured`` and ``timeline/bubble_predicted``; :attr:`records` holds the steps and
+    ``timeline/bubble_measured``, ``timeline/bubble_schedule`` and ``timeline/bubble_predicted``; :attr:`records`
+    holds the steps and
     :attr:`paths` the written files (global rank 0).
 
     Args:
@@ -90,6 +91,7 @@ class PipelineTimeline(pl.Callback):
         v = layout.stages_per_rank if layout is not None else 1
         metrics = {"timeline/tokens_per_s": tokens / record.wall if record.wall else 0.0,
                    "timeline/bubble_measured": record.bubble(),
+                   "timeline/bubble_schedule": record.schedule_bubble(),
                    "timeline/bubble_predicted": predicted_bubble(record.schedule, p, v, record.n_microbatches)}
         metrics.update({f"timeline/busy_s/stage_{s}": t for s, t in record.busy().items()})
         for logger in trainer.loggers:

@@ -57,7 +57,10 @@ def draw(record: StepRecord, path: str | Path) -> Any:
     predicted = predicted_bubble(record.schedule, ranks, max(1, record.num_stages // ranks), record.n_microbatches)
     pieces = "units (rows x time chunks)" if record.schedule == "Wavefront" else "microbatches"
     axes.set_title(f"step {record.step}: {record.schedule}, {record.n_microbatches} {pieces}, "
-                   f"{record.wall * 1e3:.1f} ms; bubble measured {record.bubble():.1%}, predicted {predicted:.1%}")
+                   f"{record.wall * 1e3:.1f} ms; bubble measured {record.bubble():.1%} (in the schedule "
+                   f"{record.schedule_bubble():.1%}), predicted {predicted:.1%}")
+    if record.schedule_end < record.wall:
+        axes.axvline(record.schedule_end * 1e3, color="grey", linestyle=":", linewidth=0.8)
     kinds = sorted({span.kind for span in record.spans}, key=list(COLOURS).index)
     axes.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], loc="upper right", fontsize=7,
                 ncol=len(kinds))

@@ -99,11 +99,25 @@ class StepRecord:
                 out[span.rank] = out.get(span.rank, 0.0) + span.end - span.start
         return out
 
+    @property
+    def schedule_end(self) -> float:
+        """Seconds from the step's start to the end of its last span, on any rank: the schedule's part of the step.
+        The rest of :attr:`wall` is the step's tail (optimizer step, gradient clipping, Lightning's loop)."""
+        return max((span.end for span in self.spans), default=self.wall)
+
     def bubble(self) -> float:
         """Measured fraction of the step the ranks spent not computing (waiting, communicating, idle)."""
+        return self._idle_until(self.wall)
+
+    def schedule_bubble(self) -> float:
+        """:meth:`bubble` up to :attr:`schedule_end`: what the schedule left idle, without the step's tail. This
+        is the number to hold against :func:`predicted_bubble`, which knows nothing of the tail."""
+        return self._idle_until(self.schedule_end)
+
+    def _idle_until(self, end: float) -> float:
         busy = self.busy_per_rank()
         ranks = sorted({span.rank for span in self.spans}) or [0]
-        return 1.0 - sum(busy.get(r, 0.0) for r in ranks) / (len(ranks) * self.wall) if self.wall > 0 else 0.0
+        return 1.0 - sum(busy.get(r, 0.0) for r in ranks) / (len(ranks) * end) if end > 0 else 0.0
 
 
 def predicted_bubble(schedule: str, num_ranks: int, stages_per_rank: int, n_microbatches: int) -> float:
