@@ -217,10 +217,6 @@ def worker(rank: int, world_size: int, jobs: list[dict[str, Any]]) -> list[tuple
     return out
 
 
-#: What a forkserver imports once before it forks the ranks (``start_method="forkserver"``).
-FORKSERVER_PRELOAD = ["torch", "torch.distributed.pipelining", "lightning.pytorch", "lightning_mp_lstm"]
-
-
 def spawn(world_size: int, jobs: list[dict[str, Any]], timeout: float,
           start_method: str = "spawn") -> list[list[tuple[Any, float]]]:
     """Run ``jobs`` one after another on ``world_size`` fresh processes.
@@ -235,12 +231,8 @@ def spawn(world_size: int, jobs: list[dict[str, Any]], timeout: float,
     Returns:
         Every rank's ``(result, seconds)`` of every job (``[rank][job]``).
     """
-    import multiprocessing
-
     from lightning_mp_lstm.testing import run_ranks
 
-    if start_method == "forkserver":
-        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
     return run_ranks(worker, world_size, jobs, timeout=timeout, start_method=start_method)
 
 

@@ -198,9 +198,8 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
             log(f"  wavefront: {len(todo)} runs, each in fresh processes ...")
             started = time.perf_counter()
             for world, job in todo:
-                fresh.append((job, jobs.merge(job, [on_rank[0][0] for on_rank in jobs.spawn(world, [job],
-                                                                                            sizes.timeout,
-                                                                                            sizes.start_method)])))
+                ranks = jobs.spawn(world, [job], sizes.timeout, sizes.start_method)
+                fresh.append((job, jobs.merge(job, [on_rank[0][0] for on_rank in ranks])))
             log(f"    {time.perf_counter() - started:.0f} s")
         else:
             for world, job in todo:

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import socket
@@ -27,11 +28,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["PTB_ENV", "START_METHODS", "free_port", "ptb_dir", "run_ranks"]
+__all__ = ["FORKSERVER_PRELOAD", "PTB_ENV", "START_METHODS", "free_port", "ptb_dir", "run_ranks"]
 
 #: How :func:`run_ranks` may start its processes (``fork`` is left out: a forked pytest or Trainer process
 #: carries its threads' locks into the child).
 START_METHODS = ("spawn", "forkserver")
+#: What the forkserver imports once, before it forks any rank (``start_method="forkserver"``).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed.pipelining", "lightning.pytorch", "lightning_mp_lstm"]
 #: The environment variable that overrides where the PTB files are.
 PTB_ENV = "LIGHTNING_MP_LSTM_PTB_DIR"
 
@@ -98,10 +101,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         allow_missing: a rank that died without a result (killed on purpose) gives ``None`` instead of
             failing the call.
         start_method: ``"spawn"`` (a fresh interpreter per rank: each imports torch and Lightning, seconds per
-            rank) or ``"forkserver"`` (ranks forked from one server process, started at the first call; with
-            ``multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch"])`` before that call the server
-            imports them once and a rank starts in milliseconds). Either way a rank sees the caller's environment
-            as it is at the call.
+            rank) or ``"forkserver"`` (ranks forked from one server process, started at the first such call with
+            :data:`FORKSERVER_PRELOAD` imported once, so a rank starts in milliseconds; a server this process
+            started earlier keeps what it preloaded). Either way a rank sees the caller's environment as it is at
+            the call.
 
     Returns:
         Every rank's result, in rank order.
@@ -114,6 +117,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r}; allowed: {', '.join(START_METHODS)}")
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args, dict(os.environ)),
                                  nprocs=world_size, join=False, start_method=start_method)

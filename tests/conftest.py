@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,13 +10,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from tests.helpers import FORKSERVER_PRELOAD, ROOT, ptb_dir
+from tests.helpers import ROOT, ptb_dir
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # One thread per process: in-process references and the ranks share 2 cores.
     torch.set_num_threads(1)
-    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
 @pytest.fixture

@@ -26,8 +26,7 @@ class PipelineTimeline(pl.Callback):
 
     After each recorded step it logs ``timeline/tokens_per_s``, ``timeline/busy_s/stage_<i>``,
     ``timeline/bubble_measured``, ``timeline/bubble_schedule`` and ``timeline/bubble_predicted``; :attr:`records`
-    holds the steps and
-    :attr:`paths` the written files (global rank 0).
+    holds the steps and :attr:`paths` the written files (global rank 0).
 
     Args:
         steps: the global steps to record (0-based; before warm-up ends the first step includes building the
