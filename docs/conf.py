@@ -25,7 +25,7 @@ extensions = [
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build", "examples", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "examples", "Thumbs.db", ".DS_Store", "awd_lstm_ptb_results.md"]
 
 # MyST: ``{directive}`` fences, anchors for "page.md#section" links, $...$ left alone.
 myst_enable_extensions = ["colon_fence", "deflist"]

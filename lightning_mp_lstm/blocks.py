@@ -9,17 +9,19 @@ is split into layers by :class:`LayerwiseLSTM`, which holds the very same parame
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["DecoderBlock", "EmbeddingBlock", "LSTMLayerBlock", "LayerwiseLSTM", "TimeChunk", "lstm_layer_names"]
+from lightning_mp_lstm.objective import to_user_layout
+
+__all__ = ["DecoderBlock", "EmbeddingBlock", "LSTMLayerBlock", "LayerwiseLSTM", "TimeChunk", "lstm_layer_names",
+           "plain_lstm", "run_lstm_module", "single_lstm"]
 
 
 def lstm_layer_names(layer: int) -> list[str]:
@@ -106,20 +108,62 @@ def run_lstm_layer(weights: list[torch.Tensor], x: torch.Tensor, state: Any, tra
     return out, (h, c)
 
 
+def single_lstm(module: nn.Module) -> nn.LSTM | None:
+    """The one ``nn.LSTM`` a layer module is or wraps (AWD-LSTM's ``WeightDrop``, a parametrized ``nn.LSTM``), or
+    ``None`` when it holds none or several."""
+    found = [m for m in module.modules() if isinstance(m, nn.LSTM)]
+    return found[0] if len(found) == 1 else None
+
+
+def plain_lstm(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.LSTM`` as torch makes it (no subclass, parametrization or hook): its weights can
+    be run directly, batch first, without calling it."""
+    return (type(module) is nn.LSTM and not module._forward_hooks and not module._forward_pre_hooks
+            and not getattr(module, "parametrizations", None))
+
+
+def run_lstm_module(module: nn.Module, batch_first: bool, x: torch.Tensor, state: Any) -> tuple[Any, Any]:
+    """Call a user's one-layer LSTM module (or its wrapper) on a batch-first ``x`` from ``state``, as the module is
+    called in its own code (in its own layout, its weights' dtype, autocast off); the output comes back batch first.
+
+    Raises:
+        TypeError: the module does not return ``(output, (h, c))`` as ``nn.LSTM`` does.
+    """
+    with without_autocast(x):
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), x.dtype)
+        inputs = x.to(dtype) if batch_first else x.to(dtype).transpose(0, 1)
+        result = module(inputs, None if state is None else tuple(t.to(dtype) for t in state))
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], tuple) and len(result[1]) == 2):
+        raise TypeError(f"{type(module).__name__} must return (output, (h, c)) as nn.LSTM does, got "
+                        f"{type(result).__name__}")
+    out, (h, c) = result
+    return (out if batch_first else out.transpose(0, 1)), (h, c)
+
+
+def _from_user_layout(x: torch.Tensor, time_first: bool) -> torch.Tensor:
+    return x.transpose(0, 1) if time_first else x
+
+
 class EmbeddingBlock(nn.Module):
-    """Token ids -> embedding vectors, then dropout (if declared).
+    """Token ids -> the first LSTM layer's input: the module's own ``embed`` method (in the module's layout), or the
+    embedding, then dropout (if declared).
 
     Dropout runs after the embedding module's call, hooks included: a vocabulary-parallel (row-wise) embedding
     all-reduces its output in a hook, and dropout must see the sum.
     """
 
-    def __init__(self, embedding: nn.Module, dropout: nn.Module | None) -> None:
+    def __init__(self, embedding: nn.Module, dropout: nn.Module | None, embed: Callable[..., Any] | None = None,
+                 time_first: bool = False) -> None:
         super().__init__()
         self.embedding = embedding
         self.dropout = dropout
+        self.embed = embed
+        self.time_first = time_first
 
     @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return _from_user_layout(self.embed(to_user_layout(tokens, self.time_first)), self.time_first)
         x = self.embedding(tokens)
         return self.dropout(x) if self.dropout is not None else x
 
@@ -132,33 +176,49 @@ class TimeChunk:
         initial: the ``(h, c)`` the chunk starts from: the previous chunk's final state (a leaf that requires grad
             in training, so its ``.grad`` after this chunk's backward is the previous chunk's state gradient);
             ``None`` for the first chunk (the state carried across batches, or zeros).
+        index: which chunk of the batch this is; ``count``: how many chunks it has.
         final: set by the layer: the ``(h, c)`` it ended with, still in the autograd graph.
     """
 
     initial: tuple[torch.Tensor, torch.Tensor] | None = None
+    index: int = 0
+    count: int = 1
     final: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class LSTMLayerBlock(nn.Module):
-    """One LSTM layer, batch first, contiguous output, then dropout (between layers, or after the last one).
+    """One LSTM layer, batch first, contiguous output, then what the module does between layers: its ``after_lstm``
+    method (in its layout) or dropout (between layers, or after the last one).
 
-    The layer's parameters are registered on the block too (the same tensors as the user's module holds), so a
-    pipeline stage sees exactly the parameters of its own blocks. With a ``slot`` set (see
-    :meth:`~lightning_mp_lstm.language_model.LanguageModelBlocks.microbatch_context`) it starts from the ``(h, c)``
-    it kept for that slot and keeps the final one, detached: truncated backpropagation through time across batches.
-    With a ``time_chunk`` set (:class:`TimeChunk`, by :meth:`~lightning_mp_lstm.stages.StageModule.forward_chunk`)
-    it starts from the chunk's initial state instead (when it has one) and reports its final state with its graph:
-    exact backpropagation through time across chunks of one batch.
+    The layer runs either from its weights (:meth:`set_weights`: a layer of a multi-layer ``nn.LSTM``, or a plain
+    one-layer ``nn.LSTM``; the same tensors the user's module holds, registered on the block too, so a pipeline stage
+    sees exactly the parameters of its own blocks) or by calling the user's layer module (:meth:`set_module`: a
+    wrapper such as AWD-LSTM's ``WeightDrop`` or a parametrized ``nn.LSTM``, which must run its own code). With a
+    ``slot`` set (see :meth:`~lightning_mp_lstm.language_model.LanguageModelBlocks.microbatch_context`) it starts
+    from the ``(h, c)`` it kept for that slot and keeps the final one, detached: truncated backpropagation through time
+    across batches. With a ``time_chunk`` set (:class:`TimeChunk`, by
+    :meth:`~lightning_mp_lstm.stages.StageModule.forward_chunk`) it starts from the chunk's initial state instead
+    (when it has one) and reports its final state with its graph: exact backpropagation through time across chunks of
+    one batch. The last layer hands its outputs to the module's penalty (``objective``).
 
     Args:
-        dropout: applied to the layer's output in training (``None``: none).
+        dropout: applied to the layer's output in training (``None``: none), when there is no ``after``.
+        after: the module's ``after_lstm(layer, output)`` method, or ``None``.
+        layer: the layer's index in the stack (what ``after`` is called with).
+        time_first: the module's tensors are ``(T, B, ...)``.
+        objective: the module's :class:`~lightning_mp_lstm.objective.Objective`, on the last layer when the module
+            declares a penalty.
     """
 
     _NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
-    def __init__(self, dropout: nn.Module | None) -> None:
+    def __init__(self, dropout: nn.Module | None, after: Callable[..., Any] | None = None, layer: int = 0,
+                 time_first: bool = False, objective: Any = None) -> None:
         super().__init__()
         self.dropout = dropout
+        self.after, self.layer, self.time_first, self.objective = after, layer, time_first, objective
+        self.lstm: nn.Module | None = None
+        self.batch_first = True
         self.slot: tuple[str, int] | None = None
         self.carried: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.time_chunk: TimeChunk | None = None
@@ -168,6 +228,10 @@ class LSTMLayerBlock(nn.Module):
         for name, weight in zip(self._NAMES, weights, strict=True):
             if self._parameters.get(name) is not weight:
                 self.register_parameter(name, weight)
+
+    def set_module(self, module: nn.Module, batch_first: bool) -> None:
+        """Run by calling ``module`` (the user's layer, its own code) with inputs in its layout (``batch_first``)."""
+        self.lstm, self.batch_first = module, batch_first
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,13 +244,23 @@ class LSTMLayerBlock(nn.Module):
                 f"carry_state: a batch of {x.shape[0]} rows follows one of {state[0].shape[1]} rows in the same "
                 "stream; carried state needs a constant number of rows (e.g. LMDataModule(mode='stream'))"
             )
-        weights = [self._parameters[name] for name in self._NAMES]
-        out, (h, c) = run_lstm_layer(weights, x, state, self.training and torch.is_grad_enabled())
+        if self.lstm is not None:
+            out, (h, c) = run_lstm_module(self.lstm, self.batch_first, x, state)
+        else:
+            weights = [self._parameters[name] for name in self._NAMES]
+            out, (h, c) = run_lstm_layer(weights, x, state, self.training and torch.is_grad_enabled())
         if chunk is not None:
             chunk.final = (h, c)
         if self.slot is not None:  # a later time chunk of the batch overwrites it: the last chunk's state is kept
             self.carried[self.slot] = (h.detach(), c.detach())
-        out = self.dropout(out) if self.dropout is not None else out
+        raw = out
+        if self.after is not None:
+            out = _from_user_layout(self.after(self.layer, to_user_layout(raw, self.time_first)), self.time_first)
+        elif self.dropout is not None:
+            out = self.dropout(raw)
+        if self.objective is not None and self.training:
+            self.objective.add_penalty(raw, out, chunk.index if chunk is not None else 0,
+                                       chunk.count if chunk is not None else 1)
         return out.contiguous()
 
 
@@ -208,9 +282,3 @@ def dropout_module(value: nn.Module | float | None) -> nn.Module | None:
     if value is None or isinstance(value, nn.Module):
         return value
     return nn.Dropout(float(value)) if float(value) > 0 else None
-
-
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Summed cross-entropy of (B, T, V) logits against (B, T) targets, leaving ``ignore_index`` out."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index,
-                           reduction="sum")

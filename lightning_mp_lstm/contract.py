@@ -54,11 +54,27 @@ class PipelineModel(Protocol):
     def example_targets(self, rows: int, length: int, device: torch.device) -> torch.Tensor:
         """Targets for ``rows`` sequences of ``length`` steps (for timing the last block with its loss)."""
 
-    def microbatch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The *summed* loss of a microbatch (the strategy divides by :meth:`loss_weight` of the global batch)."""
+    def batch_weights(self, targets: torch.Tensor) -> torch.Tensor:
+        """Additive counts of a replica's batch (its real rows' targets) as a 1-D tensor whose first entry is the
+        number of target tokens (e.g. ``[tokens, sequences]``); the engine sums them over the replicas and hands the
+        global counts to :meth:`start_batch`."""
 
-    def loss_weight(self, targets: torch.Tensor) -> torch.Tensor:
-        """How many items ``microbatch_loss`` sums over in ``targets`` (e.g. the real, unpadded tokens)."""
+    def start_batch(self, counts: torch.Tensor, microbatch_rows: Sequence[int], accumulation: int) -> None:
+        """A batch starts: its global counts, the real (not padding) rows of each microbatch, and the batches
+        accumulated per optimizer step (the pieces of the loss are divided by it too)."""
+
+    def microbatch_loss(self, outputs: torch.Tensor, targets: torch.Tensor, microbatch: int | None = None
+                        ) -> torch.Tensor:
+        """Microbatch ``microbatch`` 's piece of the batch loss: the pieces of every microbatch, time chunk and replica
+        add up to the batch loss. ``None``: the microbatch's own loss, unscaled (for timing it)."""
+
+    def finish_batch(self) -> dict[str, torch.Tensor]:
+        """This process's pieces since :meth:`start_batch`, summed and detached: ``{"loss": ...}`` and any named terms
+        of the loss; the engine sums them over the stages and replicas."""
+
+    @property
+    def term_names(self) -> list[str] | None:
+        """The names :meth:`finish_batch` reports (``None``: learned from every rank at the first batch)."""
 
     def pad_rows(self, inputs: torch.Tensor, targets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` more rows that add nothing to the loss (to split a ragged batch into equal microbatches)."""

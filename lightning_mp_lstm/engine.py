@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,11 +36,19 @@ __all__ = ["PipelineEngine", "ProcessGroups", "StepResult", "build_engine", "spl
 
 @dataclass(frozen=True)
 class StepResult:
-    """What a batch gave: ``loss``, the mean over the global batch's target tokens (detached; the same on every
-    rank), and ``tokens``, their number."""
+    """What a batch gave, the same on every rank (detached).
+
+    Attributes:
+        loss: the batch loss as the model defines it (its terms included).
+        tokens: the global batch's target tokens.
+        weights: its global counts (``[tokens, sequences]`` for a language model), what the loss is averaged over.
+        terms: the loss's named terms (each a part of ``loss``), if the model reports any.
+    """
 
     loss: torch.Tensor
     tokens: torch.Tensor
+    weights: torch.Tensor | None = None
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,8 @@ class PipelineEngine:
         self.tied = tied
         self.max_cached_shapes = max_cached_shapes
         self._schedules: OrderedDict[tuple[int, int, str], Any] = OrderedDict()
-        self._divisor = torch.ones((), device=device)
+        #: The names of the loss terms the model reports, agreed by every rank at its first batch of each mode.
+        self._term_names: dict[str, list[str]] = {}
         #: The global token count of the last batch run.
         self.last_tokens: torch.Tensor | None = None
         self.has_first_stage = 0 in stage_modules
@@ -180,23 +189,47 @@ class PipelineEngine:
         return restore(result) if restore is not None else result
 
     def _run(self, batch: Any, mode: str, accumulation: int) -> StepResult:
-        inputs, targets, _ = self.prepare(batch)
-        tokens = self._sum_over_replicas(self.model.loss_weight(targets))
+        inputs, targets, rows = self.prepare(batch)
+        weights = self._sum_over_replicas(self.model.batch_weights(targets[:rows]))
+        tokens = weights[0]
         self.last_tokens = tokens
-        self._divisor = (tokens * accumulation).clamp(min=1).to(torch.float32)
+        size = inputs.shape[0] // self.layout.n_microbatches
+        self.model.start_batch(weights, [max(0, min(size, rows - i * size)) for i in range(self.layout.n_microbatches)],
+                               accumulation)
         self._set_mode(train=mode == "train")
         schedule = self._schedule(inputs.shape, mode)
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
-        losses: list[torch.Tensor] = []
         with self._loss_context():  # forward and backward of a vocabulary-parallel loss run inside it
             if mode == "train":
-                schedule.step(*args, target=target, losses=losses, return_outputs=False)
+                schedule.step(*args, target=target, return_outputs=False)
             else:
-                schedule.eval(*args, target=target, losses=losses)
-        loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
-        loss = self._broadcast_from_last(loss.to(torch.float32))
-        return StepResult(self._sum_over_replicas(loss) * accumulation, tokens)
+                schedule.eval(*args, target=target)
+        terms = self._reduce_terms(self.model.finish_batch(), mode)
+        terms = {name: value * accumulation for name, value in terms.items()}
+        loss = terms.pop("loss")
+        return StepResult(loss, tokens, weights, terms)
+
+    def _reduce_terms(self, local: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
+        """The batch's loss terms summed over the pipeline's stages and the replicas (one collective each), under the
+        names every rank agreed on at its first batch of ``mode``."""
+        names = self._term_names.get(mode)
+        if names is None:
+            names = self.model.term_names
+            if names is None:  # the module's own methods name them: learn them once, from every rank
+                every = {name for ranks in faults.gather(lambda: sorted(local)) for name in ranks}
+                names = ["loss", *sorted(every - {"loss"})]
+            self._term_names[mode] = names
+        unknown = sorted(set(local) - set(names))
+        if unknown:
+            raise ValueError(f"the model reported loss terms {unknown} that its first {mode} batch did not; a loss or "
+                             f"penalty method must return the same terms every batch ({names})")
+        values = torch.stack([local[n] if n in local else torch.zeros((), dtype=torch.float64, device=self.device)
+                              for n in names]).to(device=self.device, dtype=torch.float64)
+        if _shared(self.groups.pipeline):
+            dist.all_reduce(values, group=self.groups.pipeline)
+        values = self._sum_over_replicas(values)
+        return dict(zip(names, values.unbind(), strict=True))
 
     # ----- after the backward pass ---------------------------------------------------------------------------
     def reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
@@ -273,7 +306,9 @@ class PipelineEngine:
         return make() if make is not None else nullcontext()
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.model.microbatch_loss(logits, targets) / self._divisor
+        # Torch's schedules and the wavefront compute the loss right after the last stage's forward of the microbatch.
+        last = self.stage_modules[self.layout.num_stages - 1]
+        return self.model.microbatch_loss(logits, targets, None if last.inferring_shapes else last.microbatch)
 
     def _schedule(self, shape: torch.Size, mode: str) -> Any:
         key = (int(shape[0]), int(shape[1]), mode)

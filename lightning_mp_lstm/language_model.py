@@ -12,13 +12,12 @@ from __future__ import annotations
 import copy
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from lightning_mp_lstm import costs
 from lightning_mp_lstm.batch_layout import check_time_axis, rows_first
@@ -29,9 +28,13 @@ from lightning_mp_lstm.blocks import (
     LSTMLayerBlock,
     dropout_module,
     lstm_layer_names,
-    token_cross_entropy,
+    plain_lstm,
+    single_lstm,
 )
+from lightning_mp_lstm.carried_state import CarriedState
 from lightning_mp_lstm.declaration import LSTMBlocks, ModelDeclarationError
+from lightning_mp_lstm.objective import Objective
+from lightning_mp_lstm.vocabulary_parallel import VocabularyParallel
 
 __all__ = ["LanguageModelBlocks", "prediction_from_logits"]
 
@@ -51,7 +54,7 @@ def _parent(module: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(parent) if parent else module), name
 
 
-class LanguageModelBlocks:
+class LanguageModelBlocks(CarriedState, VocabularyParallel):
     """The pipeline blocks of a module declared with :class:`~lightning_mp_lstm.declaration.LSTMBlocks`.
 
     Args:
@@ -67,42 +70,71 @@ class LanguageModelBlocks:
         self.module, self.declaration, self.seed = module, declaration, int(seed)
         d = declaration
         embedding, lstm, decoder = (self._find(d.embedding, "an nn.Embedding", nn.Embedding),
-                                    self._find(d.lstm, "an nn.LSTM or an nn.ModuleList of nn.LSTM", nn.Module),
+                                    self._find(d.lstm, "an nn.LSTM or an nn.ModuleList of LSTM layers", nn.Module),
                                     self._find(d.decoder, "an nn.Linear", nn.Linear))
         self.stacked = isinstance(lstm, (nn.LSTM, LayerwiseLSTM))  # one multi-layer module, else a ModuleList
-        layers = [lstm] if self.stacked else list(lstm) if isinstance(lstm, nn.ModuleList) else []
-        if not layers or not all(isinstance(x, (nn.LSTM, LayerwiseLSTM)) or x is None for x in layers):
+        if not self.stacked and not isinstance(lstm, nn.ModuleList):
             raise ModelDeclarationError(f"LSTMBlocks.lstm={d.lstm!r} must be an nn.LSTM or an nn.ModuleList of "
-                                        f"one-layer nn.LSTM, got {type(lstm).__name__}")
-        for layer in layers:
-            if isinstance(layer, nn.LSTM) and (layer.bidirectional or layer.proj_size or not layer.bias):
-                raise ModelDeclarationError(f"{d.lstm}: mp_lstm splits unidirectional LSTMs with biases and no "
-                                            "projection (bidirectional=False, proj_size=0, bias=True)")
-            if not self.stacked and isinstance(layer, nn.LSTM) and layer.num_layers != 1:
-                raise ModelDeclarationError(f"{d.lstm}: every LSTM of a ModuleList must have one layer (got "
-                                            f"num_layers={layer.num_layers}); or name one multi-layer nn.LSTM")
-        if self.stacked:
-            self.sizes = [(lstm.input_size if k == 0 else lstm.hidden_size, lstm.hidden_size)
-                          for k in range(lstm.num_layers)]
-        else:
-            self.sizes = [(x.input_size, x.hidden_size) for x in layers]
-        self.vocab_size, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.decoder_in = decoder.in_features
+                                        f"one-layer LSTMs, got {type(lstm).__name__}")
+        self.sizes = self._layer_sizes(lstm)
+        self.vocab_size, self.decoder_in = decoder.weight.shape  # a tied decoder's in_features may be stale
+        self.embedding_dim = embedding.embedding_dim
         if self.decoder_in != self.sizes[-1][1] or self.sizes[0][0] != self.embedding_dim:
             raise ModelDeclarationError(
                 f"the declared blocks do not chain: embedding width {self.embedding_dim} -> LSTM layer sizes "
-                f"{self.sizes} -> decoder input {self.decoder_in}")
+                f"{self.sizes} -> decoder input {self.decoder_in} (its weight's shape {tuple(decoder.weight.shape)})")
         self.block_names = [d.embedding, *(f"{d.lstm}.{k}" for k in range(len(self.sizes))), d.decoder]
         self.ignore_index = d.ignore_index if d.ignore_index is not None else _NO_TARGET
         self.log_name = d.log_name
+        self.reduction = d.reduction
+        self._hooks = {role: self._method(role, name) for role, name in d.hooks.items()}
+        self.objective = Objective(self._hooks.get("loss"), self._hooks.get("penalty"), d.reduction,
+                                   self.ignore_index, d.time_first, d.hooks)
         self._dropout = self._dropout_of(d.dropout)
         inner = d.layer_dropout if d.layer_dropout is not None else (lstm.dropout if self.stacked else None)
         self._layer_dropout = self._dropout_of(inner)
+        #: The dropout a multi-layer ``nn.LSTM`` applies between its layers inside torch's kernel (none declared).
+        self.kernel_dropout = self._layer_dropout if d.layer_dropout is None and self.stacked else None
         self._layers: dict[int, LSTMLayerBlock] = {}
         self._checked_layout = False
         # Whether the decoder's weight is the embedding's: its copy on a process without the embedding starts as
         # the embedding does.
         self._ties = {d.decoder: d.embedding} if decoder.weight is embedding.weight else {}
+
+    def _layer_sizes(self, lstm: nn.Module) -> list[tuple[int, int]]:
+        """``(input, hidden)`` of every layer, checking the kinds: unidirectional LSTMs with biases, no projection;
+        a ``ModuleList`` of one-layer LSTMs or modules wrapping one."""
+        path = self.declaration.lstm
+        if self.stacked:
+            inner = [lstm] if isinstance(lstm, nn.LSTM) else []
+        else:
+            inner = [single_lstm(layer) for layer in lstm]
+            for k, (layer, found) in enumerate(zip(lstm, inner)):
+                if found is None:
+                    raise ModelDeclarationError(
+                        f"{path}.{k} ({type(layer).__name__}) must be an nn.LSTM or a module wrapping exactly one "
+                        f"(as AWD-LSTM's WeightDrop does); it holds "
+                        f"{sum(isinstance(m, nn.LSTM) for m in layer.modules())}")
+                if found.num_layers != 1:
+                    raise ModelDeclarationError(f"{path}: every LSTM of a ModuleList must have one layer (got "
+                                                f"num_layers={found.num_layers}); or name one multi-layer nn.LSTM")
+        for found in inner:
+            if found.bidirectional or found.proj_size or not found.bias:
+                raise ModelDeclarationError(f"{path}: mp_lstm splits unidirectional LSTMs with biases and no "
+                                            "projection (bidirectional=False, proj_size=0, bias=True)")
+        if self.stacked:
+            return [(lstm.input_size if k == 0 else lstm.hidden_size, lstm.hidden_size)
+                    for k in range(lstm.num_layers)]
+        return [(found.input_size, found.hidden_size) for found in inner]
+
+    def _method(self, role: str, name: str) -> Any:
+        method = getattr(self.module, name, None)
+        if not callable(method) or isinstance(method, nn.Module):
+            methods = sorted(n for n in dir(type(self.module)) if not n.startswith("_")
+                             and callable(getattr(type(self.module), n, None)) and n not in dir(nn.Module))
+            raise ModelDeclarationError(f"LSTMBlocks.{role}={name!r}: {type(self.module).__name__} has no method "
+                                        f"{name!r}; its own methods: {methods}")
+        return method
 
     # ----- finding and replacing the user's modules -------------------------------------------------------
     def _find(self, path: str, kind: str, cls: type) -> nn.Module:
@@ -133,10 +165,14 @@ class LanguageModelBlocks:
         return self._get(self.declaration.lstm)
 
     def _layer_weights(self, layer: int) -> list[torch.Tensor]:
+        """The layer's parameters: ``[w_ih, w_hh, b_ih, b_hh]`` of a layer run from its weights, else every
+        parameter of the user's layer module."""
         stack = self._stack()
         if self.stacked:
             return [getattr(stack, name) for name in lstm_layer_names(layer)]
-        return [getattr(stack[layer], name) for name in lstm_layer_names(0)]
+        if plain_lstm(stack[layer]):
+            return [getattr(stack[layer], name) for name in lstm_layer_names(0)]
+        return list(stack[layer].parameters())
 
     def _layerwise(self) -> LayerwiseLSTM:
         """The stacked LSTM as a :class:`LayerwiseLSTM` (replacing the user's ``nn.LSTM``: same parameters and
@@ -158,7 +194,8 @@ class LanguageModelBlocks:
         d = self.declaration
         if name == d.embedding:
             module = self._get(name)
-            return EmbeddingBlock(module, self._dropout) if module is not None else None
+            return (EmbeddingBlock(module, self._dropout, self._hooks.get("embed"), d.time_first)
+                    if module is not None else None)
         if name == d.decoder:
             module = self._get(name)
             return DecoderBlock(module) if module is not None else None
@@ -166,12 +203,21 @@ class LanguageModelBlocks:
         if not self._layer_present(layer):
             return None
         block = self._layers.get(layer)
-        last = layer == len(self.sizes) - 1
         if block is None:
-            block = LSTMLayerBlock(self._dropout if last else self._layer_dropout)
+            block = self._layer_block(layer)
             self._layers[layer] = block
-        block.set_weights(self._layer_weights(layer))  # the current parameters (materializing replaces them)
+        stack = self._stack()
+        if self.stacked or plain_lstm(stack[layer]):
+            block.set_weights(self._layer_weights(layer))  # the current parameters (materializing replaces them)
+        else:
+            block.set_module(stack[layer], single_lstm(stack[layer]).batch_first)
         return block
+
+    def _layer_block(self, layer: int) -> LSTMLayerBlock:
+        last = layer == len(self.sizes) - 1
+        penalty = self.objective if last and "penalty" in self._hooks else None
+        return LSTMLayerBlock(self._dropout if last else self._layer_dropout, self._hooks.get("after_lstm"), layer,
+                              self.declaration.time_first, penalty)
 
     def blocks(self, names: Sequence[str] | None = None) -> list[tuple[str, nn.Module]]:
         """The present blocks (optionally only ``names``), in model order.
@@ -227,11 +273,23 @@ class LanguageModelBlocks:
                 module = copy.deepcopy(self._template(name))
                 module.to_empty(device="cpu")
                 module.reset_parameters()
-            else:
+            elif self.stacked:
                 width, hidden = self.sizes[self.block_names.index(name) - 1]
                 module = nn.LSTM(width, hidden, batch_first=True)
+            else:  # the user's layer module (a wrapper or parametrization included), reset as torch builds it
+                module = copy.deepcopy(self._layer_template(self.block_names.index(name) - 1))
+                module.to_empty(device="cpu")
+                for part in module.modules():
+                    if callable(getattr(part, "reset_parameters", None)):
+                        part.reset_parameters()
             if d.init is not None:
                 d.init(name, module)
+        return module
+
+    def _layer_template(self, layer: int) -> nn.Module:
+        module = self._stack()[layer]
+        if module is None:
+            raise KeyError(f"layer {layer} of {self.declaration.lstm} is not on this process")
         return module
 
     def _template(self, name: str) -> nn.Module:
@@ -258,16 +316,18 @@ class LanguageModelBlocks:
                 targets = dict(module.named_parameters())
             else:
                 layer = self.block_names.index(name) - 1
-                fresh = dict(zip(lstm_layer_names(0), self._fresh(name).parameters(), strict=True))
                 stack = self._stack()
-                if isinstance(stack, LayerwiseLSTM):
-                    stack.set_layer(layer, [torch.empty_like(t, device=device) for t in fresh.values()])
-                elif self.stacked:
-                    if stack.weight_ih_l0.is_meta:
-                        stack.to_empty(device=device)  # every layer at once; each gets its values below
-                else:
+                if not self.stacked:  # the user's layer module: the fresh copy has its very parameter names
+                    fresh = dict(self._fresh(name).named_parameters())
                     stack[layer].to_empty(device=device)
-                targets = dict(zip(lstm_layer_names(0), self._layer_weights(layer), strict=True))
+                    targets = dict(stack[layer].named_parameters())
+                else:
+                    fresh = dict(zip(lstm_layer_names(0), self._fresh(name).parameters(), strict=True))
+                    if isinstance(stack, LayerwiseLSTM):
+                        stack.set_layer(layer, [torch.empty_like(t, device=device) for t in fresh.values()])
+                    elif stack.weight_ih_l0.is_meta:
+                        stack.to_empty(device=device)  # every layer at once; each gets its values below
+                    targets = dict(zip(lstm_layer_names(0), self._layer_weights(layer), strict=True))
             with torch.no_grad():
                 for key, target in targets.items():
                     target.copy_(fresh[key])
@@ -288,11 +348,15 @@ class LanguageModelBlocks:
         module = self._fresh(name).to(device)
         d = self.declaration
         if name == d.embedding:
-            return EmbeddingBlock(module, self._dropout)
+            return EmbeddingBlock(module, self._dropout, self._hooks.get("embed"), d.time_first)
         if name == d.decoder:
             return DecoderBlock(module)
-        block = LSTMLayerBlock(self._dropout if name == self.block_names[-2] else self._layer_dropout)
-        block.set_weights(list(module.parameters()))
+        block = self._layer_block(self.block_names.index(name) - 1)
+        block.objective = None  # a throw-away copy, timed alone: no penalty bookkeeping
+        if self.stacked or plain_lstm(module):
+            block.set_weights(list(module.parameters()))
+        else:
+            block.set_module(module, single_lstm(module).batch_first)
         return block
 
     def example_input(self, name: str, rows: int, length: int, device: torch.device) -> torch.Tensor:
@@ -332,18 +396,27 @@ class LanguageModelBlocks:
             check_time_axis(*shown, self.declaration.time_first, self.ignore_index)
         return inputs, targets
 
-    def microbatch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy over the target tokens (vocabulary-sharded logits: with ``loss_parallel``)."""
-        if isinstance(outputs, DTensor):
-            logits = outputs.flatten(0, 1).float()
-            target = DTensor.from_local(targets.flatten(), outputs.device_mesh, [Replicate()], run_check=False)
-            loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=self.ignore_index, reduction="sum")
-            return loss.to_local() if isinstance(loss, DTensor) else loss
-        return token_cross_entropy(outputs, targets, self.ignore_index)
+    def batch_weights(self, targets: torch.Tensor) -> torch.Tensor:
+        """``[target tokens, sequences]`` of a replica's real rows (``ignore_index`` left out of the tokens)."""
+        return self.objective.batch_weights(targets)
 
-    def loss_weight(self, targets: torch.Tensor) -> torch.Tensor:
-        """The number of target tokens (``ignore_index`` left out)."""
-        return (targets != self.ignore_index).sum()
+    def start_batch(self, counts: torch.Tensor, microbatch_rows: Sequence[int], accumulation: int) -> None:
+        """See :meth:`~lightning_mp_lstm.objective.Objective.start_batch`."""
+        self.objective.start_batch(counts, microbatch_rows, accumulation)
+
+    def microbatch_loss(self, outputs: Any, targets: torch.Tensor, microbatch: int | None = None) -> torch.Tensor:
+        """Microbatch ``microbatch`` 's piece of the batch loss: the declared loss, scaled by its reduction
+        (vocabulary-sharded logits: with ``loss_parallel``); ``None``: the microbatch's own loss, for timing."""
+        return self.objective.microbatch_loss(outputs, targets, microbatch)
+
+    def finish_batch(self) -> dict[str, torch.Tensor]:
+        """This process's pieces of the batch's loss (``"loss"``) and of its named terms."""
+        return self.objective.finish_batch()
+
+    @property
+    def term_names(self) -> list[str] | None:
+        """The names :meth:`finish_batch` reports, when known before running the module's methods."""
+        return self.objective.static_terms
 
     def pad_rows(self, inputs: torch.Tensor, targets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` more rows whose targets are all ignored."""
@@ -359,70 +432,3 @@ class LanguageModelBlocks:
     def restore_layout(self, result: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Prediction tensors in the batches' own layout (``(T, B)`` for time-first batches)."""
         return {k: v.t().contiguous() for k, v in result.items()} if self.declaration.time_first else result
-
-    # ----- carried state -----------------------------------------------------------------------------------
-    @contextmanager
-    def microbatch_context(self, microbatch: int | None) -> Iterator[None]:
-        """Around every stage forward: with ``carry_state``, the LSTM layers read and keep microbatch
-        ``microbatch`` 's state (training and evaluation apart); ``None`` (shape inference) keeps nothing."""
-        if not self.declaration.carry_state or microbatch is None:
-            yield
-            return
-        training = any(block.training for block in self._layers.values())
-        layers = [self._layers[k] for k in self._layers if self._layer_present(k)]
-        for layer in layers:
-            layer.slot = ("train" if training else "eval", int(microbatch))
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.slot = None
-
-    def reset_state(self, mode: str) -> None:
-        """Forget the carried state of ``"train"`` or ``"eval"`` (a new epoch, a new evaluation)."""
-        for block in self._layers.values():
-            for slot in [k for k in block.carried if k[0] == mode]:
-                del block.carried[slot]
-
-    # ----- tensor parallel -----------------------------------------------------------------------------------
-    def check_tensor_parallel(self, size: int) -> None:
-        """Raise ``ValueError`` unless the vocabulary layers can be split over ``size`` processes."""
-        if size > 1 and self.vocab_size % size:
-            nearest = -(-self.vocab_size // size) * size
-            divisors = [k for k in range(1, min(self.vocab_size, 64) + 1) if self.vocab_size % k == 0]
-            raise ValueError(
-                f"tensor_parallel_size={size} splits the vocabulary into equal shards, but vocab_size="
-                f"{self.vocab_size} is not a multiple of {size}; use a tensor_parallel_size that divides it "
-                f"({divisors}) or pad the vocabulary to {nearest} words (ids the data never uses)")
-        if size > 1 and self._ties:
-            raise ValueError(f"tensor_parallel_size={size} does not split tied embedding and decoder weights; untie "
-                             "them or use tensor_parallel_size=1")
-
-    def tensor_parallel_blocks(self) -> list[str]:
-        """The blocks :meth:`parallelize_vocabulary` splits: the embedding and the decoder."""
-        return [self.declaration.embedding, self.declaration.decoder]
-
-    def parallelize_vocabulary(self, mesh: DeviceMesh) -> None:
-        """Split the embedding row-wise and the decoder column-wise over ``mesh`` with torch's tensor-parallel API
-        (the decoder's logits stay sharded for ``loss_parallel``). Idempotent."""
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        self.check_tensor_parallel(mesh.size())
-        if mesh.size() == 1:
-            return
-        d = self.declaration
-        decoder, embedding = self._get(d.decoder), self._get(d.embedding)
-        if decoder is not None and not isinstance(decoder.weight, DTensor):
-            parallelize_module(decoder, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
-        if embedding is not None and not isinstance(embedding.weight, DTensor):
-            parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(),
-                                                                output_layouts=Replicate()))
-
-    def loss_context(self) -> AbstractContextManager[Any]:
-        """``loss_parallel`` when the decoder is split (around the loss's forward and backward)."""
-        decoder = self._get(self.declaration.decoder)
-        if decoder is not None and isinstance(decoder.weight, DTensor):
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return nullcontext()

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import torch
-from torchmetrics import Metric
+from torchmetrics import MeanMetric, Metric
 from typing_extensions import override
 
 __all__ = ["LanguageModelMetrics", "TokenMean", "perplexity"]
@@ -26,8 +26,10 @@ def perplexity(loss: float) -> float:
 
 
 class TokenMean(Metric):
-    """The mean of per-batch mean losses weighted by their token counts: the mean over every token (``exp=True``:
-    its exponential, the perplexity). Every process passes the global batch's values, so nothing is synchronized."""
+    """A weighted mean of per-batch values: ``sum(value * weight) / sum(count)`` (``count`` defaults to the weight),
+    or its exponential (``exp=True``). With the batches' mean token losses weighted by their token counts it is the
+    mean over every token, and its exponential the perplexity. Every process passes the global batch's values, so
+    nothing is synchronized."""
 
     full_state_update = False
 
@@ -38,9 +40,9 @@ class TokenMean(Metric):
         self.add_state("count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
     @override
-    def update(self, mean: torch.Tensor, tokens: torch.Tensor) -> None:
-        self.total += mean.detach().to(torch.float64) * tokens
-        self.count += tokens
+    def update(self, mean: torch.Tensor, weight: torch.Tensor, count: torch.Tensor | None = None) -> None:
+        self.total += mean.detach().to(torch.float64) * weight
+        self.count += weight if count is None else count
 
     @override
     def compute(self) -> torch.Tensor:
@@ -49,42 +51,60 @@ class TokenMean(Metric):
 
 
 class LanguageModelMetrics:
-    """Logs a language model's loss, training speed and evaluation perplexity.
+    """Logs a language model's loss (and the named terms of a module's own loss), training speed and evaluation
+    perplexity.
 
     Args:
-        name: the logged names, with ``{split}`` (train, val, test) and ``{metric}`` (loss, ppl, tokens_per_s).
+        name: the logged names, with ``{split}`` (train, val, test) and ``{metric}`` (loss, ppl, tokens_per_s, or a
+            term's name).
+        reduction: what the loss averages over (``"token_mean"``, ``"sequence_mean"``, ``"sum"``): evaluation
+            batches are weighted by it, and perplexity is the exponential of the loss per target token.
     """
 
-    def __init__(self, name: str = "{split}/{metric}") -> None:
-        self.name = name
-        self._means: dict[tuple[str, str], TokenMean] = {}
+    def __init__(self, name: str = "{split}/{metric}", reduction: str = "token_mean") -> None:
+        self.name, self.reduction = name, reduction
+        self._means: dict[tuple[str, str], Metric] = {}
         self._last_step: float | None = None
 
     def start_epoch(self) -> None:
         """A training epoch starts: the first step's interval would include the epoch's set-up."""
         self._last_step = None
 
-    def log(self, module: Any, split: str, loss: torch.Tensor, tokens: torch.Tensor, rows: int) -> None:
-        """Log a batch's mean token loss ``loss`` over ``tokens`` target tokens (``rows`` sequences).
+    def _metric(self, key: tuple[str, str], device: torch.device, make: Any) -> Any:
+        if key not in self._means:
+            self._means[key] = make()
+        return self._means[key].to(device)
 
-        Training: the loss per step (and tokens per second from the second step of an epoch). Evaluation: the
-        split's loss and perplexity over all its tokens, at the end of the epoch.
+    def log(self, module: Any, split: str, loss: torch.Tensor, tokens: torch.Tensor, rows: int,
+            weights: torch.Tensor | None = None, terms: dict[str, torch.Tensor] | None = None) -> None:
+        """Log a batch's loss ``loss`` over ``tokens`` target tokens (``rows`` sequences), and its named ``terms``.
+
+        Training: the loss and terms per step (and tokens per second from the second step of an epoch). Evaluation:
+        the split's loss, terms and perplexity over all its batches, at the end of the epoch.
+
+        Args:
+            weights: the global batch's ``[tokens, sequences]`` (``None``: ``tokens`` and ``rows``).
         """
+        terms = terms or {}
         if split == "train":
             module.log(self.name.format(split=split, metric="loss"), loss, prog_bar=True, batch_size=rows)
+            for term, value in terms.items():
+                module.log(self.name.format(split=split, metric=term), value, batch_size=rows)
             now = time.perf_counter()
             if self._last_step is not None:
-                speed = tokens.float() / (now - self._last_step)
+                speed = self._metric((split, "tokens_per_s"), loss.device,
+                                     lambda: MeanMetric(sync_on_compute=False, nan_strategy="ignore"))
+                speed(tokens.float() / (now - self._last_step))
                 module.log(self.name.format(split=split, metric="tokens_per_s"), speed, on_step=True, on_epoch=True,
-                           prog_bar=True, batch_size=rows)
+                           prog_bar=True, batch_size=rows, metric_attribute=f"_lm_metrics_{split}_tokens_per_s")
             self._last_step = now
             return
-        for metric in ("loss", "ppl"):
-            key = (split, metric)
-            if key not in self._means:
-                self._means[key] = TokenMean(exp=metric == "ppl")
-            mean = self._means[key].to(loss.device)
-            mean.update(loss, tokens)
-            name = self.name.format(split=split, metric=metric)
-            module.log(name, mean, on_step=False, on_epoch=True, prog_bar=split == "val",
+        sequences = weights[1] if weights is not None else torch.as_tensor(rows, device=loss.device)
+        weight = {"token_mean": tokens, "sequence_mean": sequences}.get(self.reduction, torch.ones_like(tokens))
+        for metric, value, count in (("loss", loss, None), ("ppl", loss, tokens),
+                                     *((term, value, None) for term, value in terms.items())):
+            mean = self._metric((split, metric), loss.device, lambda m=metric: TokenMean(exp=m == "ppl"))
+            mean.update(value, weight, count)
+            module.log(self.name.format(split=split, metric=metric), mean, on_step=False, on_epoch=True,
+                       prog_bar=split == "val" and metric in ("loss", "ppl"),
                        metric_attribute=f"_lm_metrics_{split}_{metric}")

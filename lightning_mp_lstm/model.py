@@ -18,10 +18,11 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_mp_lstm.blocks import token_cross_entropy, without_autocast
+from lightning_mp_lstm.blocks import without_autocast
 from lightning_mp_lstm.declaration import LSTMBlocks
 from lightning_mp_lstm.language_model import prediction_from_logits
 from lightning_mp_lstm.metrics import LanguageModelMetrics, perplexity
+from lightning_mp_lstm.objective import token_cross_entropy
 from lightning_mp_lstm.validation import check_positive_int
 
 __all__ = ["OPTIMIZERS", "LSTMLanguageModel", "block_names", "perplexity", "prediction_from_logits",
@@ -155,12 +156,18 @@ class LSTMLanguageModel(pl.LightningModule):
                 ended.append(hx)
         return self.decoder(x), ended
 
+    def _carried(self, mode: str) -> list[Any] | None:
+        """The state the last batch of ``mode`` ended with, when the model carries it."""
+        return self._state.get(mode) if self.hparams.carry_state else None
+
+    def _keep(self, mode: str, state: list[Any]) -> None:
+        if self.hparams.carry_state:
+            self._state[mode] = [(h.detach(), c.detach()) for h, c in state]
+
     def _loss(self, batch: Any, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = batch[0], batch[1]
-        carry = bool(self.hparams.carry_state)
-        logits, state = self(inputs, self._state.get(mode) if carry else None)
-        if carry:
-            self._state[mode] = [(h.detach(), c.detach()) for h, c in state]
+        logits, state = self(inputs, self._carried(mode))
+        self._keep(mode, state)
         tokens = (targets != 0).sum()
         return token_loss_sum(logits, targets) / tokens.clamp(min=1), tokens
 
@@ -191,10 +198,8 @@ class LSTMLanguageModel(pl.LightningModule):
             dict with ``log_probs`` (B, T) float, ``next_token`` (B, T) int64 and ``mask`` (B, T) bool (True on
             real tokens).
         """
-        state = self._state.get("eval") if self.hparams.carry_state else None
-        logits, ended = self(batch[0], state)
-        if self.hparams.carry_state:
-            self._state["eval"] = [(h.detach(), c.detach()) for h, c in ended]
+        logits, ended = self(batch[0], self._carried("eval"))
+        self._keep("eval", ended)
         return prediction_from_logits(logits, batch[1])
 
     @override

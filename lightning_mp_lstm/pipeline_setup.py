@@ -3,6 +3,8 @@ strategy's setup, one function each. The strategy calls them; they know nothing 
 
 from __future__ import annotations
 
+import copy
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -13,15 +15,18 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mp_lstm.contract import PipelineModel, check_data
+from lightning_mp_lstm.declaration import ModelDeclarationError
 from lightning_mp_lstm.engine import PipelineEngine, ProcessGroups, build_engine
 from lightning_mp_lstm.faults import PeerDirectory, setup_object_group
 from lightning_mp_lstm.layout import ParallelLayout
+from lightning_mp_lstm.module_audit import NotReproducedWarning, audit, parameters_outside, render_findings
 from lightning_mp_lstm.options import ProcessOptions
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
 from lightning_mp_lstm.precision import REFUSED_PRECISIONS
 from lightning_mp_lstm.tied import TiedWeights
 
-__all__ = ["assemble_engine", "check_run", "plan_run", "replica_rows", "start_process_groups"]
+__all__ = ["assemble_engine", "check_run", "make_verifier", "plan_run", "replica_rows", "report_not_reproduced",
+           "start_process_groups"]
 
 DEFAULT_ROWS = 32  # the batch assumed for planning when the data module does not say its own
 DEFAULT_LENGTH = 35
@@ -120,3 +125,47 @@ def assemble_engine(
         blocks.parallelize_vocabulary(mesh["tensor_parallel"])
     engine.tied = TiedWeights.build(module, aliases, layout)
     return engine
+
+
+def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: bool = True) -> None:
+    """Name, before training, what the pipeline would not reproduce of ``module`` 's own training step
+    (:mod:`~lightning_mp_lstm.module_audit`): parameters outside the declared blocks stop the run (they would never
+    be trained); everything else is one :class:`~lightning_mp_lstm.module_audit.NotReproducedWarning` (when
+    ``warn``: on one rank).
+
+    Raises:
+        ModelDeclarationError: parameters no declared block holds.
+    """
+    declaration = getattr(blocks, "declaration", None)
+    if declaration is None or getattr(blocks, "module", None) is not module:
+        return  # a custom pipeline model: it says itself what it runs
+    name = type(module).__name__
+    outside = parameters_outside(module, [declaration.embedding, declaration.lstm, declaration.decoder])
+    if outside:
+        raise ModelDeclarationError(
+            f"{name} has parameters outside its declared blocks, which the pipeline would never train: "
+            f"{', '.join(outside)}. mp_lstm splits embedding -> LSTM layers -> decoder; move them into those "
+            "modules, or keep this model on one process")
+    findings = audit(module, declaration)
+    if findings and warn:
+        warnings.warn(render_findings(name, findings), NotReproducedWarning, stacklevel=2)
+
+
+def make_verifier(module: torch.nn.Module, blocks: PipelineModel, reference: bool, device: torch.device,
+                  precision: Precision) -> Any:
+    """The :class:`~lightning_mp_lstm.verify.Verifier` of ``module`` 's declaration (``MPLSTMStrategy(verify=True)``):
+    with ``reference`` (global rank 0), a whole copy of the module as it will train (real values on ``device``, in the
+    run's precision), taken before the pipeline prunes it."""
+    from lightning_mp_lstm.verify import Verifier  # only for verify=True (and `python -m` it)
+
+    declaration = getattr(blocks, "declaration", None)
+    if declaration is None:
+        raise TypeError("verify=True compares a module with its LSTMBlocks declaration; a custom pipeline model has "
+                        "no training_step of its own to compare with")
+    copy_ = None
+    if reference:
+        copy_ = copy.deepcopy(module)
+        view = declaration.bind(copy_, blocks.seed)
+        view.materialize_blocks(view.block_names, device)
+        copy_ = precision.convert_module(copy_.to(device))
+    return Verifier(copy_, blocks.block_names, declaration.time_first, declaration.log_name, declaration.lstm)

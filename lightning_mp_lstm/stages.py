@@ -113,6 +113,8 @@ class StageModule(nn.Module):
         self.inferring_shapes = False
         #: The microbatch the next forward runs (set by the stage before each forward).
         self.microbatch: int | None = None
+        #: The first time step of the chunk the next forward runs (wavefront pipelining; else 0).
+        self.time_start = 0
         self._microbatch_context = microbatch_context or (lambda index: nullcontext())
 
     @override
@@ -139,21 +141,25 @@ class StageModule(nn.Module):
         """The blocks that carry state along the time axis (those with a ``time_chunk`` slot), in order."""
         return [block for block in self.blocks if hasattr(block, "time_chunk")]
 
-    def forward_chunk(self, x: torch.Tensor, initial: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+    def forward_chunk(self, x: torch.Tensor, initial: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                      index: int = 0, count: int = 1, start: int = 0
                       ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Run one chunk of the time axis: each recurrent block starts from its entry of ``initial`` (``None``: the
-        state carried across batches, or zeros) and the final states come back with their autograd graph.
+        """Run chunk ``index`` of ``count`` of the time axis (its first step: ``start``): each recurrent block starts
+        from its entry of ``initial`` (``None``: the state carried across batches, or zeros) and the final states come
+        back with their autograd graph.
 
         Returns:
             The stage's output and one ``(h, c)`` per recurrent block (:attr:`recurrent_blocks`).
         """
         blocks = self.recurrent_blocks
-        chunks = [TimeChunk(initial[j] if initial is not None else None) for j in range(len(blocks))]
+        chunks = [TimeChunk(initial[j] if initial is not None else None, index, count) for j in range(len(blocks))]
         for block, chunk in zip(blocks, chunks):
             block.time_chunk = chunk
+        self.time_start = start
         try:
             out = self(x)
         finally:
+            self.time_start = 0
             for block in blocks:
                 block.time_chunk = None
         return out, [chunk.final for chunk in chunks]
@@ -191,6 +197,15 @@ class Stage(PipelineStage):
         self.submod.inferring_shapes = True
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            self.submod.inferring_shapes = False
+
+    @override
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # The last stage computes the loss of the inferred outputs here: it is not a microbatch's piece of the loss.
+        self.submod.inferring_shapes = True
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
         finally:
             self.submod.inferring_shapes = False
 

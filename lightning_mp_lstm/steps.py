@@ -1,10 +1,11 @@
 """The step hooks of Lightning's ``Strategy`` for a pipeline: ``MPLSTMStrategy`` takes them from
-:class:`PipelineSteps`. Each runs the batch through the engine under the precision plugin's context and logs what
-the declaration names; the module's own ``*_step`` methods are not called."""
+:class:`PipelineSteps`. Each runs the batch through the engine under the precision plugin's context and logs the loss
+and the terms of the module's declared loss and penalty; the module's own ``*_step`` methods are not called (the
+pieces its declaration names are, in the stages that hold their inputs)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -14,6 +15,9 @@ from lightning_mp_lstm import report
 from lightning_mp_lstm.engine import PipelineEngine
 from lightning_mp_lstm.metrics import LanguageModelMetrics
 from lightning_mp_lstm.precision import PipelinePrecision
+
+if TYPE_CHECKING:
+    from lightning_mp_lstm.verify import Verifier
 
 __all__ = ["PipelineSteps"]
 
@@ -31,6 +35,7 @@ class PipelineSteps:
     _metrics: LanguageModelMetrics
     _step_clock: report.StepClock
     _measurements: report.Measurements | None
+    _verifier: Verifier | None
 
     @override
     def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
@@ -41,7 +46,8 @@ class PipelineSteps:
             result = self.engine.forward_backward(batch, accumulation=trainer.accumulate_grad_batches)
         self.engine.check_finite(result.loss, f"global step {trainer.global_step} (epoch {trainer.current_epoch}, "
                                               f"batch_idx {batch_idx})")
-        self._metrics.log(self.lightning_module, "train", result.loss, result.tokens, _rows(batch))
+        self._metrics.log(self.lightning_module, "train", result.loss, result.tokens, _rows(batch), result.weights,
+                          result.terms)
         return result.loss
 
     @override
@@ -55,7 +61,8 @@ class PipelineSteps:
     def _evaluate(self, batch: Any, split: str, context: Any) -> Tensor:
         with context:
             result = self.engine.evaluate(batch)
-        self._metrics.log(self.lightning_module, split, result.loss, result.tokens, _rows(batch))
+        self._metrics.log(self.lightning_module, split, result.loss, result.tokens, _rows(batch), result.weights,
+                          result.terms)
         return result.loss
 
     @override
@@ -70,10 +77,27 @@ class PipelineSteps:
         if batch_idx == 0:  # a new epoch: the stream starts again
             self.engine.reset_state("train")
             self._metrics.start_epoch()
+        if self._verifier is not None and not self._verifier.done:
+            self._run_verification(batch)
         if self._step_clock.tick():  # time every stage on its own process at this batch's shape; report on rank 0
             with self.precision_plugin.forward_context():
                 self._measurements = report.measure(self.engine, batch, self.root_device, self._step_clock.intervals)
             rank_zero_info(f"mp_lstm partition after {self._step_clock.after_steps} steps:\n{self.report}")
+
+    def _run_verification(self, batch: Any) -> None:
+        from lightning_mp_lstm.verify import STEPS, VerificationError  # only for verify=True (and `python -m` it)
+
+        module = self.lightning_module
+        layout = self.engine.layout
+        title = (f"mp_lstm verify: {type(module).__name__}.training_step on one process against the pipeline "
+                 f"(data x pipeline x tensor = {layout.data_parallel_size} x {layout.pipeline_parallel_size} x "
+                 f"{layout.tensor_parallel_size}, {layout.schedule}, {layout.n_microbatches} microbatches), {STEPS} "
+                 "steps on the first training batch, random draws equal")
+        comparison = self._verifier.run(self.engine, module, batch, module.trainer, title,
+                                        self.precision_plugin.inner.train_step_context)
+        if not comparison.ok:
+            raise VerificationError(comparison.table())
+        rank_zero_info(comparison.table())
 
     @override
     def on_validation_start(self) -> None:

@@ -47,7 +47,14 @@ from lightning_mp_lstm.launcher import JobLauncher
 from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.metrics import LanguageModelMetrics
 from lightning_mp_lstm.options import ProcessOptions
-from lightning_mp_lstm.pipeline_setup import assemble_engine, check_run, plan_run, start_process_groups
+from lightning_mp_lstm.pipeline_setup import (
+    assemble_engine,
+    check_run,
+    make_verifier,
+    plan_run,
+    report_not_reproduced,
+    start_process_groups,
+)
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions
 from lightning_mp_lstm.precision import PipelinePrecision, set_numerics
 from lightning_mp_lstm.steps import PipelineSteps
@@ -97,6 +104,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
             Ignored on GPUs.
         numerics: ``"default"`` (torch's float32 settings: TF32 in cuDNN RNNs on recent GPUs) or ``"exact"`` (IEEE
             float32 and deterministic cuDNN kernels, to compare layouts with one process to 1e-5 on GPUs).
+        verify: before training on the first batch, compare the module's own ``training_step`` on one process with
+            the pipeline on it (:mod:`~lightning_mp_lstm.verify`); a difference stops the run, naming it.
         process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
     """
 
@@ -120,6 +129,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         timeout: float | timedelta = 300.0,
         num_threads: int | str = "auto",
         numerics: str = "default",
+        verify: bool = False,
         process_group_backend: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -149,6 +159,10 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         self._peers: PeerDirectory | None = None
         self._model_names = ckpt.ModelNames()
         self._checkpoints = ckpt.checkpoint_format(self._process.checkpoint_format)
+        if not isinstance(verify, bool):
+            raise ValueError(f"verify must be True or False, got {verify!r}")
+        self._verify = verify
+        self._verifier: Any = None  # a verify.Verifier with verify=True
         if self._process.fixed_world_size is not None:
             self._resolve_layout(self._process.fixed_world_size)
 
@@ -346,8 +360,11 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
             LayoutError: ``n_microbatches`` does not fit the batch, or ``time_chunks`` the shortest bucket.
         """
-        check_run(self._blocks(model), type(model).__name__, self.precision_plugin, self.layout, self._options,
+        blocks = self._blocks(model)
+        check_run(blocks, type(model).__name__, self.precision_plugin, self.layout, self._options,
                   self._process, datamodule, planned=self._plan is not None, fitting=fitting)
+        if self._engine_module is not model:  # the whole module, before pruning (each warning shows once)
+            report_not_reproduced(model, blocks, warn=self.global_rank == 0)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -377,7 +394,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
 
     def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> PipelineEngine:
         blocks = pipeline_model(module)
-        self._metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"))
+        self._metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"),
+                                             getattr(blocks, "reduction", "token_mean"))
         if self._plan is None:
             self._plan = plan_run(blocks, self.layout, self._options, trainer.datamodule, self.precision_plugin,
                                   self.root_device)
@@ -386,6 +404,9 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
                                f"{self.report}")
         if self._model_names.state_keys is None:  # the whole model, before pruning
             self._model_names = ckpt.ModelNames.of(module)
+        if self._verify and trainer.state.fn == TrainerFn.FITTING and self._verifier is None:
+            self._verifier = make_verifier(module, blocks, self.global_rank == 0, self.root_device,
+                                           self.precision_plugin)
         return assemble_engine(module, blocks, self._plan, self.device_mesh, self.global_rank, self.root_device,
                                dict(self._model_names.aliases))
 

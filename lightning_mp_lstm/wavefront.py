@@ -174,7 +174,7 @@ class WavefrontSchedule:
                             for h, cell in previous.final]
         module.microbatch = i  # the row microbatch's slot of the state carried across batches
         with RECORDER.span("forward", s, u):
-            out, unit.final = module.forward_chunk(x, unit.initial)
+            out, unit.final = module.forward_chunk(x, unit.initial, c, self.k, sum(self.lengths[:c]))
             if s == self.num_stages - 1:
                 if self.loss_fn is not None and targets is not None:
                     loss = self.loss_fn(out, targets[u])

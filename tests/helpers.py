@@ -7,11 +7,13 @@ Test modules import from here (and get fixtures from ``conftest.py``); they neve
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +33,42 @@ TINY_RUN = ["trainer=ci", "data.batch_size=16", "model.hidden_size=16", "model.e
 ONE_PROCESS = "layout=single"
 #: The small synthetic corpus's sizes (only with ``data=synthetic``, the default).
 SMALL_SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40", "data.synthetic.num_test=40"]
+
+
+# ----- the documentation's examples, as modules -------------------------------------------------------------------
+def load_example(name: str) -> ModuleType:
+    """``docs/examples/<name>.py`` loaded as a module (the docs' examples are scripts, not a package)."""
+    path = ROOT / "docs" / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"docs_example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class TimeFirstStream(pl.LightningDataModule):
+    """word_language_model's ``batchify`` + ``get_batch`` of a learnable token stream (mostly the next token of a
+    fixed cycle): ``rows`` columns, ``bptt``-long time-first windows with flat targets, ``steps`` batches.
+    ``time_first=False`` gives the same windows batch first, targets ``(B, T)``."""
+
+    def __init__(self, vocab: int = 29, rows: int = 7, bptt: int = 6, steps: int = 4, time_first: bool = True
+                 ) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(5)
+        cycle = torch.randperm(vocab, generator=generator)
+        positions = torch.arange(rows * (steps * bptt + 1))
+        noise = torch.randint(0, vocab, positions.shape, generator=generator)
+        stream = torch.where(torch.rand(positions.shape, generator=generator) < 0.8, cycle[positions % vocab], noise)
+        data = stream.view(rows, -1).t().contiguous()  # (T, B)
+        windows = [(data[i:i + bptt], data[i + 1:i + 1 + bptt]) for i in range(0, steps * bptt, bptt)]
+        self.batches = [(x, y.reshape(-1)) if time_first else (x.t().contiguous(), y.t().contiguous())
+                        for x, y in windows]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.batches, batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.batches[:2], batch_size=None)
 
 
 # ----- data ------------------------------------------------------------------------------------------------

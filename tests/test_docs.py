@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.helpers import run_command
+from tests.helpers import load_example, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -24,17 +22,9 @@ PAGES = [
 ]
 
 
-def _load_example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"docs_example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.timeout(120)
 def test_single_process_example_trains():
-    loss = _load_example("single_process").main()
+    loss = load_example("single_process").main()
     assert math.isfinite(loss) and 0 < loss < 10
 
 
@@ -57,13 +47,13 @@ def test_word_language_model_example_trains_as_a_pipeline_and_loads_into_the_pla
 
 @pytest.mark.timeout(120)
 def test_awd_lstm_example_trains_through_the_strategy():
-    loss = _load_example("awd_lstm").main()
+    loss = load_example("awd_lstm").main()
     assert math.isfinite(loss) and 0 < loss < 10
 
 
 @pytest.mark.timeout(60)
 def test_compose_config_example_resolves_dp2_pp2(capsys):
-    example = _load_example("compose_config")
+    example = load_example("compose_config")
     layout = example.main()
     assert (layout.data_parallel_size, layout.pipeline_parallel_size, layout.stages_per_rank) == (2, 2, 1)
     assert layout.world_size == 4 and layout.schedule == "GPipe" and layout.n_microbatches == 2

@@ -99,7 +99,7 @@ def test_contract_helpers():
     original = model.lstm[1].weight_hh_l0
     assert built.weight_hh.shape == original.shape and built.weight_hh is not original
     inputs, targets = blocks.pad_rows(torch.ones(3, 4, dtype=torch.long), torch.ones(3, 4, dtype=torch.long), 1)
-    assert inputs.shape == (4, 4) and int(blocks.loss_weight(targets)) == 12
+    assert inputs.shape == (4, 4) and int(blocks.batch_weights(targets)[0]) == 12
     logits = model(inputs)[0]
     assert torch.equal(blocks.microbatch_loss(logits, targets), blocks.microbatch_loss(logits[:3], targets[:3]))
     counts = blocks.analytic_costs("parameters", 2, 5)

@@ -226,17 +226,22 @@ def test_a_module_without_declaration_gets_one_message_with_the_fix():
         MPLSTMStrategy(pipeline_parallel_size=1).check(Undeclared())
     message = str(caught.value)
     assert "def configure_pipeline(self):" in message
-    assert 'return LSTMBlocks(embedding="encoder", lstm="rnn", decoder="decoder", dropout="drop")' in message
-    assert "docs/bring_your_own_model.md" in message and "lacks" not in message
+    # What its training step shows it needs comes with the names: time-first batches, NLL, the carried hidden state
+    # (without carry_state=True this module would train as another model).
+    assert ('return LSTMBlocks(embedding="encoder", lstm="rnn", decoder="decoder", dropout="drop", loss="nll", '
+            'time_first=True, carry_state=True)') in message
+    assert "training_step keeps self.hidden across batches" in message and "batch_first=False" in message
+    assert "docs/bring_your_own_model.md" in message and "verify=True" in message and "lacks" not in message
 
 
 @pytest.mark.parametrize("declaration, error", [
     (dict(embedding="embed", lstm="rnn", decoder="decoder"),
      r"Declared has no submodule 'embed' \(declared as an nn.Embedding\); its submodules: \['drop', 'encoder'"),
     (dict(embedding="encoder", lstm="decoder", decoder="decoder"),
-     r"LSTMBlocks.lstm='decoder' must be an nn.LSTM or an nn.ModuleList of one-layer nn.LSTM, got Linear"),
+     r"LSTMBlocks.lstm='decoder' must be an nn.LSTM or an nn.ModuleList of one-layer LSTMs, got Linear"),
     (dict(embedding="encoder", lstm="rnn", decoder="rnn"), r"'rnn' must be an nn.Linear, got LSTM"),
-    (dict(embedding="encoder", lstm="rnn", decoder="decoder", loss="mse"), r"loss must be one of cross_entropy, nll"),
+    (dict(embedding="encoder", lstm="rnn", decoder="decoder", loss="mse"),
+     r"LSTMBlocks.loss='mse': Declared has no method 'mse'; its own methods: \[.*'configure_pipeline'"),
 ])
 def test_a_declaration_that_does_not_fit_is_named(declaration, error):
     class Declared(WordLM):

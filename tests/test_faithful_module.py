@@ -1,0 +1,393 @@
+"""A user's module is split, not replaced: AWD-LSTM (docs/examples/awd_lstm.py: embedding dropout, locked dropout,
+weight drop as the original wrapper and as a parametrization, a tied decoder whose ``in_features`` is stale, AR and
+TAR) and a char-rnn whose loss is summed over time train under ``mp_lstm`` exactly as their own ``training_step``
+trains them on one process, on pp2, pp4, dp2 x pp2 and wavefront; every random part runs in the pipeline; what a
+declaration does not reproduce is named before training (a test per case), and ``verify=True`` finds each silent
+difference when it is put back."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mp_lstm import LSTMBlocks, ModelDeclarationError, MPLSTMStrategy
+from lightning_mp_lstm.module_audit import NotReproducedWarning
+from lightning_mp_lstm.random_tape import RandomTape
+from lightning_mp_lstm.verify import VerificationError
+from tests.helpers import (
+    Gradients,
+    TimeFirstStream,
+    TrainLosses,
+    assert_same_training,
+    load_example,
+    quiet_trainer,
+    run_command,
+    run_ranks,
+)
+
+STEPS, VOCAB = 4, 29
+QUIET = dict(report_after_steps=None, timeout=60)
+#: Every random part of AWD-LSTM switched off; AR and TAR on.
+RATES_0 = dict(dropout=0.0, dropouth=0.0, dropouti=0.0, dropoute=0.0, wdrop=0.0)
+RATES = dict(dropout=0.4, dropouth=0.3, dropouti=0.5, dropoute=0.2, wdrop=0.5)
+
+
+def awd(**kwargs) -> pl.LightningModule:
+    """AWD-LSTM of the docs (3 layers; embedding 6, hidden 8, tied: the decoder's in_features says 8, its weight 6)."""
+    torch.manual_seed(0)
+    return load_example("awd_lstm").AwdLSTM(**{"ntoken": VOCAB, "ninp": 6, "nhid": 8, "lr": 0.01, **kwargs})
+
+
+class CharRNN(pl.LightningModule):
+    """char-rnn as its PyTorch tutorial trains it: batch first, the loss summed over time of each step's mean over
+    the batch (so a sum over the sequence, averaged over sequences)."""
+
+    def __init__(self, reduction: str = "sequence_mean") -> None:
+        super().__init__()
+        self.reduction = reduction
+        self.encoder = nn.Embedding(VOCAB, 6)
+        self.rnn = nn.LSTM(6, 8, 2, batch_first=True)
+        self.decoder = nn.Linear(8, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self.decoder(self.rnn(self.encoder(inputs))[0])
+        loss = sum(F.cross_entropy(logits[:, t], targets[:, t]) for t in range(inputs.size(1)))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def configure_pipeline(self):
+        return LSTMBlocks(embedding="encoder", lstm="rnn", decoder="decoder", reduction=self.reduction)
+
+
+def build(name: str) -> tuple[pl.LightningModule, pl.LightningDataModule]:
+    if name == "char_rnn":
+        torch.manual_seed(0)
+        return CharRNN(), TimeFirstStream(VOCAB, steps=STEPS, time_first=False)
+    variant, _, rates = name.partition("/")
+    return awd(weight_drop=variant, **(RATES if rates == "random" else RATES_0)), TimeFirstStream(VOCAB, steps=STEPS)
+
+
+def _fit(name: str, strategy, devices: int, callbacks=()) -> dict:
+    """Train ``STEPS`` batches (one epoch) and validate on two (the module's own validation_step logs val_loss)."""
+    model, data = build(name)
+    losses, grads = TrainLosses("train_loss"), Gradients()
+    trainer = quiet_trainer(strategy, devices, [losses, grads, *callbacks], max_steps=STEPS, limit_val_batches=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=data)
+    val = trainer.callback_metrics.get("val_loss")
+    return {"losses": losses.values, "grads": grads.steps, "warnings": [str(w.message) for w in caught],
+            "val": None if val is None else float(val)}
+
+
+def _worker(rank: int, world_size: int, runs: list[tuple[str, dict]]) -> list[dict]:
+    return [_fit(name, MPLSTMStrategy(**QUIET, **kwargs), world_size) for name, kwargs in runs]
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict]:
+    """Each module trained by its own training_step, Lightning's default strategy, one process: no mp_lstm."""
+    return {name: _fit(name, "auto", 1) for name in ("wrapper", "parametrize", "char_rnn")}
+
+
+# 7 sequences per batch: microbatches of 4 get a padding row, which neither the module's loss nor its penalty sees.
+RUNS_2 = [
+    ("wrapper", dict(pipeline_parallel_size=2, n_microbatches=2)),
+    ("parametrize", dict(pipeline_parallel_size=2, n_microbatches=2, schedule="GPipe")),
+    ("wrapper", dict(pipeline_parallel_size=2, n_microbatches=2, schedule="Wavefront", time_chunks=3)),
+    ("char_rnn", dict(pipeline_parallel_size=2, n_microbatches=2)),
+]
+RUNS_4 = [
+    ("parametrize", dict(pipeline_parallel_size=4, n_microbatches=2, schedule="GPipe")),
+    ("wrapper", dict(pipeline_parallel_size=2, data_parallel_size=2, n_microbatches=2)),
+]
+
+
+@pytest.mark.timeout(300)
+def test_awd_lstm_and_char_rnn_on_two_processes_train_as_their_own_training_step(references):
+    per_rank = run_ranks(_worker, 2, RUNS_2, timeout=280)
+    for index, (name, _) in enumerate(RUNS_2):
+        assert_same_training([rank[index] for rank in per_rank], references[name], STEPS)
+        if name != "char_rnn":  # AWD-LSTM's own validation_step (weight drop in eval mode, carried state) too
+            assert references[name]["val"] is not None
+            assert all(rank[index]["val"] == pytest.approx(references[name]["val"], rel=1e-5) for rank in per_rank)
+
+
+@pytest.mark.timeout(300)
+def test_awd_lstm_on_pp4_and_dp2_pp2_trains_as_its_own_training_step(references):
+    per_rank = run_ranks(_worker, 4, RUNS_4, timeout=280)
+    for index, (name, _) in enumerate(RUNS_4):
+        assert_same_training([rank[index] for rank in per_rank], references[name], STEPS)
+
+
+def test_the_references_are_about_something(references):
+    # AR and TAR are part of the loss, the sum over time is T times the token mean: the comparisons above would fail
+    # for a pipeline that dropped the penalty or averaged over tokens.
+    plain = _fit("wrapper", "auto", 1)  # deterministic: the same run again gives the same curve
+    assert plain["losses"] == references["wrapper"]["losses"]
+    model, data = build("wrapper")
+    batch = data.batches[0]
+    logits, _, raw, dropped = model(batch[0])
+    penalty = model.activation_penalty(raw, dropped)
+    assert float(penalty["ar"]) > 1e-3 and float(penalty["tar"]) > 1e-5
+    char, data = build("char_rnn")
+    assert references["char_rnn"]["losses"][0][1] > 4 * references["wrapper"]["losses"][0][1]
+
+
+# ----- every random part runs in the pipeline ------------------------------------------------------------------------
+class KeptFractions(pl.Callback):
+    """The kept fraction of every Bernoulli mask the training steps draw, by kind (embedding rows, locked masks over
+    sequences, recurrent weights), recorded on this process."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, list[float]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._tape = RandomTape(0, 0) if batch_idx > 0 else None  # the first batch is verify's
+        if self._tape is not None:
+            self._tape.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if self._tape is None:
+            return
+        self._tape.__exit__(None, None, None)
+        for draw in self._tape.draws:
+            shape = tuple(draw.values.shape)
+            kind = "embedding" if shape == (VOCAB, 1) else "locked" if shape[0] == 1 else "weights"
+            self.kept.setdefault(kind, []).append(float((draw.values != 0).float().mean()))
+
+
+def _random_worker(rank: int, world_size: int) -> dict:
+    kept = KeptFractions()
+    verified = _fit("wrapper/random", MPLSTMStrategy(**QUIET, pipeline_parallel_size=2, n_microbatches=2,
+                                                     verify=True), world_size, [kept])
+    rates_0 = _fit("wrapper", MPLSTMStrategy(**QUIET, pipeline_parallel_size=2, n_microbatches=2), world_size)
+    return {"random": verified["losses"], "rates_0": rates_0["losses"], "kept": kept.kept,
+            "warnings": verified["warnings"] + rates_0["warnings"]}
+
+
+@pytest.mark.timeout(300)
+def test_every_random_part_of_awd_lstm_runs_in_the_pipeline():
+    per_rank = run_ranks(_random_worker, 2, timeout=280)
+    # verify=True replayed the module's own masks into the pipeline at the first batch and found every loss, metric
+    # and gradient equal (it raises otherwise), so each random part is drawn where the module draws it.
+    random, rates_0 = per_rank[0]["random"], per_rank[0]["rates_0"]
+    # The logged values are the global batch's on every rank already: no "use sync_dist=True" warning to act on.
+    assert not [w for rank in per_rank for w in rank["warnings"] if "sync_dist" in w]
+    assert all(abs(a - b) > 1e-3 for (_, a), (_, b) in zip(random, rates_0))
+    # Each kind of mask keeps about 1 - rate of its entries, as on one process: the embedding (0.2) and locked (~0.4)
+    # masks on stage 0 (rank 0), the recurrent weights' (0.5) on both stages.
+    kept = {kind: sum(v) / len(v) for kind, v in per_rank[0]["kept"].items()}
+    assert set(kept) == {"embedding", "locked", "weights"}, kept
+    assert abs(kept["embedding"] - 0.8) < 0.12 and abs(kept["weights"] - 0.5) < 0.1 and 0.35 < kept["locked"] < 0.75
+    assert set(per_rank[1]["kept"]) == {"locked", "weights"}  # stage 1 holds no embedding
+
+    one = KeptFractions()
+    _fit("wrapper/random", "auto", 1, [one])
+    single = {kind: sum(v) / len(v) for kind, v in one.kept.items()}
+    assert abs(single["embedding"] - kept["embedding"]) < 0.15 and abs(single["weights"] - kept["weights"]) < 0.1
+
+
+# ----- never silent: what a declaration does not reproduce is named before training ----------------------------------
+def _check(model: pl.LightningModule) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MPLSTMStrategy(pipeline_parallel_size=1).check(model)
+    return [str(w.message) for w in caught if issubclass(w.category, NotReproducedWarning)]
+
+
+#: AWD-LSTM declared as if it were word_language_model: no embed/after_lstm/penalty methods named.
+BasicAwd = load_example("awd_lstm").AwdLSTMAsWordLM
+
+
+def test_a_module_declared_in_full_is_not_warned_about():
+    assert _check(awd()) == []
+    assert _check(CharRNN()) == []
+
+
+def test_glue_the_declaration_does_not_run_is_named():
+    (message,) = _check(BasicAwd(ntoken=VOCAB, ninp=6, nhid=8))
+    assert message.startswith("mp_lstm runs the pieces AwdLSTMAsWordLM declares in configure_pipeline() in place of "
+                              "AwdLSTMAsWordLM.training_step")
+    assert "submodule lockdrop (LockedDropout), used by embed, line" in message
+    assert "a random draw, embedded_dropout(...) in embed, line" in message
+    assert "metric 'train_ar', logged in training_step, line" in message and "'train_tar'" in message
+    assert "MPLSTMStrategy(verify=True)" in message
+
+
+class CarriesWithoutSaying(load_example("awd_lstm").AwdLSTM):
+    def configure_pipeline(self):
+        return LSTMBlocks(embedding="encoder", lstm="rnns", decoder="decoder", embed="embed", after_lstm="after_lstm",
+                          loss="lm_loss", penalty="activation_penalty", time_first=True)
+
+
+def test_state_carried_without_carry_state_is_named():
+    (message,) = _check(CarriesWithoutSaying(ntoken=VOCAB, ninp=6, nhid=8))
+    assert "self.hidden is kept across batches and fed back to the model (training_step, line" in message
+    assert "declare carry_state=True" in message
+
+
+class SumsTheLoss(CharRNN):
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self.decoder(self.rnn(self.encoder(inputs))[0])
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=0)
+        self.log("train_loss", loss)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return loss
+
+
+def test_a_reduction_ignore_index_and_metric_of_its_own_are_named():
+    (message,) = _check(SumsTheLoss(reduction="token_mean"))
+    assert "cross_entropy(..., reduction='sum') in training_step, line" in message
+    assert "is not the declared reduction='token_mean': declare reduction='sum'" in message
+    assert "cross_entropy(..., ignore_index=0) in training_step, line" in message
+    assert "declare ignore_index=0" in message
+    assert "metric 'lr', logged in training_step, line" in message
+
+
+class ExtraParameters(CharRNN):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+def test_parameters_outside_the_blocks_stop_the_run_before_training():
+    with pytest.raises(ModelDeclarationError, match=r"ExtraParameters has parameters outside its declared blocks, "
+                                                    r"which the pipeline would never train: scale"):
+        MPLSTMStrategy(pipeline_parallel_size=1).check(ExtraParameters())
+
+
+class TwoLstmWrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.LSTM(6, 8), nn.LSTM(8, 8)
+
+
+def test_weight_drop_wrappers_are_accepted_and_a_layer_holding_two_lstms_is_named():
+    assert _check(awd(weight_drop="wrapper")) == [] and _check(awd(weight_drop="parametrize")) == []
+    model = BasicAwd(ntoken=VOCAB, ninp=6, nhid=8)
+    model.rnns[1] = TwoLstmWrapper()
+    with pytest.raises(ModelDeclarationError, match=r"rnns.1 \(TwoLstmWrapper\) must be an nn.LSTM or a module "
+                                                    r"wrapping exactly one .*; it holds 2"):
+        MPLSTMStrategy(pipeline_parallel_size=1).check(model)
+
+
+# ----- verify finds each silent difference when it is put back ------------------------------------------------------
+def _verify(model: pl.LightningModule, data: pl.LightningDataModule, **kwargs) -> str | None:
+    """The verification table when it fails (``None`` when the pipeline reproduces the module), in process."""
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, verify=True, **QUIET, **kwargs)
+    trainer = quiet_trainer(strategy, 1, max_steps=1, limit_val_batches=0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, datamodule=data)
+    except VerificationError as error:
+        return str(error)
+    finally:
+        strategy.shutdown()
+    return None
+
+
+def _rows(table: str) -> list[str]:
+    return [line for line in table.splitlines() if line.endswith("DIFFERS")]
+
+
+def test_verify_passes_for_awd_lstm_with_every_random_part_on():
+    for variant in ("wrapper", "parametrize"):
+        assert _verify(awd(weight_drop=variant, **RATES), TimeFirstStream(VOCAB)) is None
+
+
+class NoEmbed(load_example("awd_lstm").AwdLSTM):
+    def configure_pipeline(self):
+        return LSTMBlocks(embedding="encoder", lstm="rnns", decoder="decoder", after_lstm="after_lstm",
+                          loss="lm_loss", penalty="activation_penalty", time_first=True, carry_state=True)
+
+
+class NoPenalty(load_example("awd_lstm").AwdLSTM):
+    def configure_pipeline(self):
+        return LSTMBlocks(embedding="encoder", lstm="rnns", decoder="decoder", embed="embed", after_lstm="after_lstm",
+                          loss="lm_loss", time_first=True, carry_state=True)
+
+
+class LogsMore(load_example("awd_lstm").AwdLSTM):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_ppl", loss.exp())
+        return loss
+
+
+def test_verify_names_dropped_locked_and_embedding_dropout():
+    table = _verify(BasicAwd(ntoken=VOCAB, ninp=6, nhid=8, **RATES), TimeFirstStream(VOCAB))
+    rows = _rows(table)
+    for block in ("encoder", "rnns.0", "rnns.1", "rnns.2"):
+        assert any(f"block {block}: the module's own step draws" in r and "the pipeline never draws" in r
+                   for r in rows), (block, table)
+    assert any(r.startswith("  step 0 loss") for r in rows)
+    table = _verify(NoEmbed(ntoken=VOCAB, ninp=6, nhid=8, **RATES), TimeFirstStream(VOCAB))
+    blocks = [r for r in _rows(table) if "the pipeline never draws" in r]
+    assert len(blocks) == 1 and "block encoder: the module's own step draws 2 random tensor(s)" in blocks[0], table
+
+
+def test_verify_names_dropped_ar_tar_and_a_metric_that_vanishes():
+    rows = _rows(_verify(NoPenalty(ntoken=VOCAB, ninp=6, nhid=8), TimeFirstStream(VOCAB)))
+    assert any(r.startswith("  step 0 loss") for r in rows)
+    assert any("step 0 metric train_ar" in r and "not logged" in r for r in rows)
+    assert any("step 0 gradients of rnns.2" in r for r in rows)
+    rows = _rows(_verify(LogsMore(ntoken=VOCAB, ninp=6, nhid=8), TimeFirstStream(VOCAB)))
+    assert len(rows) == 2 and all("metric train_ppl" in r and "not logged" in r for r in rows), rows
+
+
+def test_verify_names_a_sum_over_time_trained_as_a_token_mean():
+    assert _verify(CharRNN(), TimeFirstStream(VOCAB, time_first=False)) is None
+    rows = _rows(_verify(CharRNN(reduction="token_mean"), TimeFirstStream(VOCAB, time_first=False)))
+    assert any(r.startswith("  step 0 loss") for r in rows) and any("gradients of encoder" in r for r in rows)
+
+
+def test_verify_names_state_carried_without_carry_state():
+    rows = _rows(_verify(CarriesWithoutSaying(ntoken=VOCAB, ninp=6, nhid=8), TimeFirstStream(VOCAB)))
+    assert rows and all(r.startswith("  step 1") for r in rows), rows  # the first step starts from zeros on both
+
+
+def test_verify_names_a_float64_loss_computed_in_float32(monkeypatch):
+    def float32_loss(logits, targets, ignore_index):
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index,
+                               reduction="sum")
+
+    model, data = CharRNN(), TimeFirstStream(VOCAB, time_first=False)
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, verify=True, **QUIET)
+    trainer = quiet_trainer(strategy, 1, max_steps=1, limit_val_batches=0, precision="64-true")
+    trainer.fit(model, datamodule=data)  # float64 end to end: equal to one process at 1e-10
+    strategy.shutdown()
+    monkeypatch.setattr("lightning_mp_lstm.objective.token_cross_entropy", float32_loss)
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, verify=True, **QUIET)
+    trainer = quiet_trainer(strategy, 1, max_steps=1, limit_val_batches=0, precision="64-true")
+    with pytest.raises(VerificationError, match=r"step 0 loss .* DIFFERS"):
+        trainer.fit(CharRNN(), datamodule=data)
+    strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_verify_command_runs_on_two_processes_and_fails_on_a_difference(tmp_path):
+    example = "docs/examples/awd_lstm.py"
+    ok = run_command([sys.executable, "-m", "lightning_mp_lstm.verify", f"{example}:AwdLSTM", "--data",
+                      f"{example}:RandomStream", "--devices", "2", "--accelerator", "cpu",
+                      "--option", "n_microbatches=2"], timeout=110)
+    assert ok.returncode == 0, ok.stdout[-3000:]
+    assert "the pipeline reproduces the module's training step" in ok.stdout
+    assert ok.stdout.count("step 0 gradients of rnns.2") == 1  # printed once, by rank 0
+    differs = run_command([sys.executable, "-m", "lightning_mp_lstm.verify", f"{example}:AwdLSTMAsWordLM", "--data",
+                           f"{example}:RandomStream", "--devices", "1", "--accelerator", "cpu",
+                           "--option", "n_microbatches=2"], timeout=110)
+    assert differs.returncode == 1, differs.stdout[-3000:]
+    assert "the pipeline does NOT reproduce the module's training step" in differs.stdout
