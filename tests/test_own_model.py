@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMBlocks, ModelDeclarationError, MPLSTMStrategy
 from lightning_mp_lstm.engine import PipelineEngine
 from tests.helpers import (
     Gradients,
+    TimeFirstStream,
     TrainLosses,
     assert_same_training,
     parameters_of,
@@ -122,20 +122,10 @@ class AwdLM(pl.LightningModule):
 MODELS = {"word_lm": WordLM, "awd": AwdLM}
 
 
-class StreamData(pl.LightningDataModule):
+def StreamData() -> TimeFirstStream:  # noqa: N802  (the data module's name in these tests)
     """word_language_model's batchify + get_batch: one token stream in BSZ columns, BPTT-long time-first windows,
     flat targets."""
-
-    def train_dataloader(self) -> DataLoader:
-        # A learnable stream: mostly the next token of a fixed cycle, sometimes a random one.
-        generator = torch.Generator().manual_seed(5)
-        cycle = torch.randperm(NTOKEN, generator=generator)
-        steps = torch.arange(BSZ * (STEPS * BPTT + 1))
-        noise = torch.randint(0, NTOKEN, steps.shape, generator=generator)
-        stream = torch.where(torch.rand(steps.shape, generator=generator) < 0.8, cycle[steps % NTOKEN], noise)
-        data = stream.view(BSZ, -1).t().contiguous()  # (T, B)
-        batches = [(data[i:i + BPTT], data[i + 1:i + 1 + BPTT].reshape(-1)) for i in range(0, STEPS * BPTT, BPTT)]
-        return DataLoader(batches, batch_size=None)
+    return TimeFirstStream(NTOKEN, rows=BSZ, bptt=BPTT, steps=STEPS)
 
 
 # ----- runs ------------------------------------------------------------------------------------------------
