@@ -6,7 +6,8 @@ it. A model that is not an embedding -> LSTM stack -> decoder chain returns its 
 ``configure_pipeline()`` instead; :func:`check_model` names every member it lacks.
 
 Optional members, used when present: ``prepare_batch(batch)`` (the batch's ``(inputs, targets)`` rows first) and
-``restore_layout(predictions)``, ``microbatch_context(index)`` (entered around every stage forward with the
+``restore_layout(predictions)``, ``loss_blocks`` (the blocks whose stages compute pieces of the loss; default: the
+last), ``microbatch_context(index)`` (entered around every stage forward with the
 microbatch's index: per-row recurrent state across batches) and ``reset_state(mode)``, ``loss_context()`` (around the
 loss's forward and backward: torch's ``loss_parallel``), ``log_name`` (what the strategy logs under), and for
 ``tensor_parallel_size > 1`` ``parallelize_vocabulary(mesh)`` (required then), ``check_tensor_parallel(size)`` and

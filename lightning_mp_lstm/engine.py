@@ -33,6 +33,9 @@ from lightning_mp_lstm.wavefront import WavefrontSchedule
 
 __all__ = ["PipelineEngine", "ProcessGroups", "StepResult", "build_engine", "split_model"]
 
+#: The tag of the loss terms the last stage's rank sends (apart from the schedules' activations and gradients).
+_TERMS_TAG = 1 << 20
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -105,8 +108,10 @@ def build_engine(model: PipelineModel, layout: ParallelLayout, partition: Sequen
                        last_block=last, microbatch_context=context).to(device)
         for s in stage_ids
     }
+    loss_blocks = set(getattr(model, "loss_blocks", [last]))
+    term_stages = [s for s, names in enumerate(partition) if loss_blocks & set(names)]
     return PipelineEngine(model, stages, layout, groups, device, tied or TiedWeights(),
-                          data_parallel_rank=data_parallel_rank)
+                          data_parallel_rank=data_parallel_rank, term_stages=term_stages)
 
 
 class PipelineEngine:
@@ -122,6 +127,7 @@ class PipelineEngine:
         max_cached_shapes: the most stages + schedules kept (one per batch shape and mode); the least recently
             used is dropped, with the receive buffers it holds.
         data_parallel_rank: this process's replica.
+        term_stages: the stages that compute pieces of the loss (default: the last; a penalty adds its stage).
 
     Attributes:
         global_batches: every replica is given the whole global batch and takes its contiguous share of the rows
@@ -130,7 +136,7 @@ class PipelineEngine:
 
     def __init__(self, model: PipelineModel, stage_modules: dict[int, StageModule], layout: ParallelLayout,
                  groups: ProcessGroups, device: torch.device, tied: TiedWeights, max_cached_shapes: int = 32,
-                 data_parallel_rank: int = 0) -> None:
+                 data_parallel_rank: int = 0, term_stages: Sequence[int] | None = None) -> None:
         self.model = model
         self.data_parallel_rank = data_parallel_rank
         self.global_batches = True
@@ -149,6 +155,10 @@ class PipelineEngine:
         self.has_last_stage = layout.num_stages - 1 in stage_modules
         # Pipeline rank that holds the last stage: the last rank, except for V-shaped schedules.
         self._last_stage_rank = layout.rank_of_stage(layout.num_stages - 1)
+        #: Whether that rank computes every piece of the loss (no penalty on an earlier rank's stage).
+        self._terms_on_last_rank = all(layout.rank_of_stage(s) == self._last_stage_rank
+                                       for s in (term_stages or [layout.num_stages - 1]))
+        self._sends: list[Any] = []
 
     # ----- running batches ---------------------------------------------------------------------------------
     def forward_backward(self, batch: Any, accumulation: int = 1) -> StepResult:
@@ -171,6 +181,7 @@ class PipelineEngine:
     def predict(self, batch: Any) -> dict[str, torch.Tensor]:
         """The model's predictions of a batch, identical on every rank; with several replicas the replicas'
         shares are gathered in replica order (global rank 0 holds the whole global batch)."""
+        self.flush()
         inputs, targets, rows = self.prepare(batch)
         self._set_mode(train=False)
         schedule = self._schedule(inputs.shape, "predict")
@@ -189,6 +200,7 @@ class PipelineEngine:
         return restore(result) if restore is not None else result
 
     def _run(self, batch: Any, mode: str, accumulation: int) -> StepResult:
+        self.flush()
         inputs, targets, rows = self.prepare(batch)
         weights = self._sum_over_replicas(self.model.batch_weights(targets[:rows]))
         tokens = weights[0]
@@ -226,10 +238,34 @@ class PipelineEngine:
                              f"penalty method must return the same terms every batch ({names})")
         values = torch.stack([local[n] if n in local else torch.zeros((), dtype=torch.float64, device=self.device)
                               for n in names]).to(device=self.device, dtype=torch.float64)
-        if _shared(self.groups.pipeline):
+        if not _shared(self.groups.pipeline):
+            values = self._sum_over_replicas(values)
+        elif self._terms_on_last_rank:
+            values = self._from_last_stage(values)
+        else:  # a penalty on an earlier stage's rank: every rank's pieces, summed
             dist.all_reduce(values, group=self.groups.pipeline)
-        values = self._sum_over_replicas(values)
+            values = self._sum_over_replicas(values)
         return dict(zip(names, values.unbind(), strict=True))
+
+    def _from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
+        """The batch's terms when the last stage's rank computes every piece: it sums them over the replicas and sends
+        them to the rest of its pipeline without waiting, so it goes on to its optimizer step while the first stages
+        finish their backward (a collective here would hold it until the last of them); the others take the terms
+        after their own part of the schedule, already sent. The sends are waited for at the next batch."""
+        group, last = self.groups.pipeline, self._last_stage_rank
+        if self.has_last_stage:
+            values = self._sum_over_replicas(values)
+            self._sends = [dist.isend(values, group=group, group_dst=peer, tag=_TERMS_TAG)
+                           for peer in range(dist.get_world_size(group)) if peer != last]
+            return values
+        dist.recv(values, group=group, group_src=last, tag=_TERMS_TAG)
+        return values
+
+    def flush(self) -> None:
+        """Wait for the last batch's terms to reach the rest of the pipeline (they did, when it ran a batch since)."""
+        for work in self._sends:
+            work.wait()
+        self._sends = []
 
     # ----- after the backward pass ---------------------------------------------------------------------------
     def reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:

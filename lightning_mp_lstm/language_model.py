@@ -414,6 +414,12 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
         return self.objective.finish_batch()
 
     @property
+    def loss_blocks(self) -> list[str]:
+        """The blocks whose stages compute pieces of the loss: the decoder's, and the last LSTM layer's with a
+        penalty."""
+        return [self.block_names[-1], *([self.block_names[-2]] if "penalty" in self._hooks else [])]
+
+    @property
     def term_names(self) -> list[str] | None:
         """The names :meth:`finish_batch` reports, when known before running the module's methods."""
         return self.objective.static_terms

@@ -58,6 +58,7 @@ from lightning_mp_lstm.pipeline_setup import (
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions
 from lightning_mp_lstm.precision import PipelinePrecision, set_numerics
 from lightning_mp_lstm.steps import PipelineSteps
+from lightning_mp_lstm.validation import check_bool
 
 __all__ = ["MPLSTMStrategy"]
 
@@ -159,9 +160,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         self._peers: PeerDirectory | None = None
         self._model_names = ckpt.ModelNames()
         self._checkpoints = ckpt.checkpoint_format(self._process.checkpoint_format)
-        if not isinstance(verify, bool):
-            raise ValueError(f"verify must be True or False, got {verify!r}")
-        self._verify = verify
+        self._verify = check_bool("verify", verify)
         self._verifier: Any = None  # a verify.Verifier with verify=True
         if self._process.fixed_world_size is not None:
             self._resolve_layout(self._process.fixed_world_size)
@@ -426,6 +425,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         # As Lightning's ModelParallelStrategy: the model and optimizer state stay on their devices (no round trip
         # to the CPU between fit, validate and test; sharded parameters keep their device mesh's device).
         assert self.cluster_environment is not None and self.accelerator is not None
+        if self._engine is not None:
+            self._engine.flush()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

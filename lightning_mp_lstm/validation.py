@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_positive_int", "check_positive_number"]
+__all__ = ["check_bool", "check_positive_int", "check_positive_number"]
 
 
 def check_positive_int(name: str, value: Any, error: type[Exception] = ValueError, also: tuple[Any, ...] = ()) -> Any:
@@ -25,3 +25,10 @@ def check_positive_number(name: str, value: Any, error: type[Exception] = ValueE
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise error(f"{name} must be a positive number, got {value!r}")
     return float(value)
+
+
+def check_bool(name: str, value: Any, error: type[Exception] = ValueError) -> bool:
+    """``value`` if it is ``True`` or ``False``; else raise ``error`` naming ``name`` and the value."""
+    if not isinstance(value, bool):
+        raise error(f"{name} must be True or False, got {value!r}")
+    return value
