@@ -51,6 +51,7 @@ from lightning_mp_lstm.pipeline_setup import assemble_engine, check_run, plan_ru
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions
 from lightning_mp_lstm.precision import PipelinePrecision, set_numerics
 from lightning_mp_lstm.steps import PipelineSteps
+from lightning_mp_lstm.stopping import StopOnSignal, check_stop_signals
 
 __all__ = ["MPLSTMStrategy"]
 
@@ -98,6 +99,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         numerics: ``"default"`` (torch's float32 settings: TF32 in cuDNN RNNs on recent GPUs) or ``"exact"`` (IEEE
             float32 and deterministic cuDNN kernels, to compare layouts with one process to 1e-5 on GPUs).
         process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
+        stop_signals: signals that stop every rank at the next step boundary with a checkpoint
+            (:class:`~lightning_mp_lstm.stopping.StopOnSignal`, added to the Trainer); ``()``: Lightning's handling.
     """
 
     strategy_name = "mp_lstm"
@@ -121,6 +124,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         num_threads: int | str = "auto",
         numerics: str = "default",
         process_group_backend: str | None = None,
+        stop_signals: Sequence[str] = ("SIGTERM",),
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -137,6 +141,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
                                        data_parallel_weights, stages_per_rank, schedule, checkpoint_format,
                                        timeout, num_threads, numerics)
         self._process_group_backend = process_group_backend
+        self._stop_signals = tuple(s.name for s in check_stop_signals(stop_signals))
         self.num_nodes = 1
         self._layout: ParallelLayout | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -353,6 +358,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if self._stop_signals and not any(isinstance(c, StopOnSignal) for c in trainer.callbacks):
+            trainer.callbacks.append(StopOnSignal(self._stop_signals))
         module = self.lightning_module
         if self._engine is None or self._engine_module is not module:
             self._engine = self._build_engine(module, trainer)

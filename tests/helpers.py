@@ -31,6 +31,13 @@ TINY_RUN = ["trainer=ci", "data.batch_size=16", "model.hidden_size=16", "model.e
 ONE_PROCESS = "layout=single"
 #: The small synthetic corpus's sizes (only with ``data=synthetic``, the default).
 SMALL_SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40", "data.synthetic.num_test=40"]
+#: What the user sees in each case of ``docs/reliability.md``'s table "Stopped, preempted, stuck or diverging": the
+#: tests match what they get against these, and ``tests/test_docs.py`` checks that the table lists every case with a
+#: line that matches.
+RELIABILITY_MESSAGES = {
+    "stopped by a signal": r"mp_lstm: stopped by SIGTERM at global step \d+ \(epoch \d+, after batch_idx \d+ of "
+                           r"\d+\); saved a checkpoint to \S+last\.ckpt; resume from it with ckpt_path=\S+last\.ckpt",
+}
 
 
 # ----- data ------------------------------------------------------------------------------------------------

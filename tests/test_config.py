@@ -24,6 +24,7 @@ from lightning_mp_lstm.app import (
     instantiate_callbacks,
     instantiate_loggers,
 )
+from lightning_mp_lstm.checkpoint import RunCheckpoint
 from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.timeline import PipelineTimeline
 
@@ -193,8 +194,8 @@ def test_every_option_composes_with_its_values_and_instantiates(group, option):
 def test_ci_trainer_drops_the_progress_bar_callback():
     cfg = _compose("trainer=ci")
     callbacks = instantiate_callbacks(cfg.callbacks, cfg.trainer)
-    assert [type(c) for c in callbacks] == [ModelCheckpoint, PipelineTimeline]
-    assert [type(c) for c in instantiate_callbacks(cfg.callbacks)] == [ModelCheckpoint, TQDMProgressBar,
+    assert [type(c) for c in callbacks] == [RunCheckpoint, PipelineTimeline]
+    assert [type(c) for c in instantiate_callbacks(cfg.callbacks)] == [RunCheckpoint, TQDMProgressBar,
                                                                         PipelineTimeline]
 
 
@@ -202,10 +203,10 @@ def test_callbacks_and_loggers_can_be_added_or_removed_from_the_command_line():
     cfg = _compose("+callbacks.summary._target_=lightning.pytorch.callbacks.ModelSummary",
                    "+callbacks.summary.max_depth=2")
     built = instantiate_callbacks(cfg.callbacks)
-    assert [type(c).__name__ for c in built] == ["ModelCheckpoint", "TQDMProgressBar", "PipelineTimeline",
+    assert [type(c).__name__ for c in built] == ["RunCheckpoint", "TQDMProgressBar", "PipelineTimeline",
                                                  "ModelSummary"]
     cfg = _compose("~callbacks.timeline")
-    assert [type(c).__name__ for c in instantiate_callbacks(cfg.callbacks)] == ["ModelCheckpoint", "TQDMProgressBar"]
+    assert [type(c).__name__ for c in instantiate_callbacks(cfg.callbacks)] == ["RunCheckpoint", "TQDMProgressBar"]
     cfg = _compose("~logger", "~callbacks")
     assert instantiate_loggers(cfg.get("logger")) == [] and instantiate_callbacks(cfg.get("callbacks")) == []
 
