@@ -30,12 +30,15 @@ from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.launcher import hydra_quote
 from lightning_mp_lstm.layout import LayoutError
 from lightning_mp_lstm.model import perplexity
+from lightning_mp_lstm.run_name import register_resolver
 from lightning_mp_lstm.stopping import RunStopped
 from lightning_mp_lstm.timeline import PipelineTimeline
 
 __all__ = ["BestCheckpoint", "best_checkpoint", "build_model", "build_strategy", "build_trainer", "check_resume",
            "exit_when_stopped", "format_summary", "instantiate_callbacks", "instantiate_loggers", "metric_value",
            "resume_command", "train", "trainer_devices"]
+
+register_resolver()  # ${mp_lstm.run_name:} in conf/train.yaml's run directory
 
 
 def _build(node: DictConfig, group: str, **kwargs: Any) -> Any:
