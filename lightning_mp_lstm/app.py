@@ -30,6 +30,7 @@ from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.launcher import hydra_quote
 from lightning_mp_lstm.layout import LayoutError
 from lightning_mp_lstm.model import perplexity
+from lightning_mp_lstm.option_types import check_option_types
 from lightning_mp_lstm.run_name import register_resolver
 from lightning_mp_lstm.stopping import RunStopped
 from lightning_mp_lstm.timeline import PipelineTimeline
@@ -43,7 +44,8 @@ register_resolver()  # ${mp_lstm.run_name:} in conf/train.yaml's run directory
 
 def _build(node: DictConfig, group: str, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate`` whose error is the target's own, prefixed with the config group, instead of
-    Hydra's two-line wrapper."""
+    Hydra's two-line wrapper; a word given where a number is taken is refused first, by the option's name."""
+    check_option_types(node, group)
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as error:

@@ -99,6 +99,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         numerics: ``"default"`` (torch's float32 settings: TF32 in cuDNN RNNs on recent GPUs) or ``"exact"`` (IEEE
             float32 and deterministic cuDNN kernels, to compare layouts with one process to 1e-5 on GPUs).
         process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
+        memory_per_process: GiB of memory one process may use (``"auto"``: the GPU's, or the machine's over its
+            processes): a run whose largest training batch needs more for its activations is refused before launch.
         stop_signals: signals that stop every rank at the next step boundary with a checkpoint
             (:class:`~lightning_mp_lstm.stopping.StopOnSignal`, added to the Trainer); ``()``: Lightning's handling.
     """
@@ -124,6 +126,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         num_threads: int | str = "auto",
         numerics: str = "default",
         process_group_backend: str | None = None,
+        memory_per_process: float | str = "auto",
         stop_signals: Sequence[str] = ("SIGTERM",),
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -139,7 +142,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
                                     n_microbatches=n_microbatches, time_chunks=time_chunks)
         self._process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
                                        data_parallel_weights, stages_per_rank, schedule, checkpoint_format,
-                                       timeout, num_threads, numerics)
+                                       timeout, num_threads, numerics, memory_per_process)
         self._process_group_backend = process_group_backend
         self._stop_signals = tuple(s.name for s in check_stop_signals(stop_signals))
         self.num_nodes = 1
@@ -350,9 +353,12 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
                 batch shape and the data module does not say it.
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
             LayoutError: ``n_microbatches`` does not fit the batch, or ``time_chunks`` the shortest bucket.
+            ActivationMemoryError: the largest training batch's activations cannot fit ``memory_per_process``.
         """
+        device = self.root_device if self.parallel_devices else None
         check_run(self._blocks(model), type(model).__name__, self.precision_plugin, self.layout, self._options,
-                  self._process, datamodule, planned=self._plan is not None, fitting=fitting)
+                  self._process, datamodule, planned=self._plan is not None, fitting=fitting, device=device,
+                  local_processes=self.num_processes)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
