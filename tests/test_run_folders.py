@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import signal
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from lightning_mp_lstm.testing import free_port
-from tests.helpers import ROOT, SMALL_SYNTHETIC, TINY_RUN, processes_in_group, start_command
+from tests.helpers import RELIABILITY_MESSAGES, ROOT, SMALL_SYNTHETIC, TINY_RUN, processes_in_group, start_command
 
 QUICK = [*TINY_RUN, *SMALL_SYNTHETIC, "trainer.max_steps=2", "evaluate=false", "optimized_metric=null",
          "~callbacks.timeline"]
@@ -38,6 +39,7 @@ def test_runs_started_together_write_separate_folders(tmp_path):
     (day,) = (tmp_path / "outputs").iterdir()
     folders = sorted(day.iterdir())
     assert len(folders) == 3, [f.name for f in folders]  # one per run: none shared, none stray
+    assert all(re.fullmatch(RELIABILITY_MESSAGES["runs started together"], f.name) for f in folders), folders
     for folder in folders:
         assert (folder / "checkpoints" / "last.ckpt").is_file(), sorted(p.name for p in folder.rglob("*"))
         with open(folder / "logs" / "metrics.csv") as handle:
