@@ -19,9 +19,11 @@ import os
 import pickle
 import re
 import socket
+import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -185,6 +187,27 @@ def _state(pid: int) -> str:
     return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
 
 
+@contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """The process's stderr (file descriptor 2) sent to ``os.devnull`` for a moment: a call to a store whose server
+    died while :func:`_listening` was asked writes a C++ stack dump there (torch's ``TCPStore`` warning), before the
+    message this module is composing."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _listening(store: Any) -> bool:
     """Whether the server of a TCP store (under any prefix stores) still accepts connections; other stores: yes.
 
@@ -236,7 +259,8 @@ class PeerDirectory:
         if store is None:
             return
         try:
-            store.set(key.format(rank=self.rank), value)
+            with _native_stderr_silenced():
+                store.set(key.format(rank=self.rank), value)
         except Exception:  # noqa: BLE001  (the store lives on rank 0, which may be gone)
             pass
 
@@ -250,13 +274,14 @@ class PeerDirectory:
         found: dict[int, str] = {}
         if store is None:
             return found
-        for peer in self.peers:
-            name = key.format(rank=peer.rank)
-            try:
-                if peer.rank != self.rank and store.check([name]):
-                    found[peer.rank] = store.get(name).decode(errors="replace")
-            except Exception:  # noqa: BLE001  (store unreachable)
-                break
+        with _native_stderr_silenced():
+            for peer in self.peers:
+                name = key.format(rank=peer.rank)
+                try:
+                    if peer.rank != self.rank and store.check([name]):
+                        found[peer.rank] = store.get(name).decode(errors="replace")
+                except Exception:  # noqa: BLE001  (store unreachable)
+                    break
         return found
 
     def _in_state(self, state: str) -> list[_Peer]:

@@ -169,11 +169,13 @@ class StopOnSignal(Callback):
     # ----- the step boundary: agree, save, stop ----------------------------------------------------------------
     def _agreed(self, trainer: pl.Trainer) -> bool:
         """Whether any rank received a signal: one all-reduce (MAX) of two integers over every rank."""
-        code = torch.tensor([int(self.received or 0), int(self.requeue)])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            group = object_group()
-            if dist.get_backend(group) == "nccl":
-                code = code.to(trainer.strategy.root_device)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        group = object_group() if distributed else None
+        # The object group is gloo (host memory) under mp_lstm; a default nccl group needs the device.
+        nccl = distributed and dist.get_backend(group) == "nccl"
+        device = trainer.strategy.root_device if nccl else torch.device("cpu")
+        code = torch.tensor([int(self.received or 0), int(self.requeue)], device=device)
+        if distributed:
             dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
         signum, requeue = (int(v) for v in code.tolist())
         if signum:
@@ -205,6 +207,8 @@ class StopOnSignal(Callback):
             path = connector.hpc_save_path(trainer.default_root_dir)
         else:
             path = last_checkpoint_path(trainer)
+            if isinstance(trainer.checkpoint_callback, ModelCheckpoint):  # its state, saved too, names its last file
+                trainer.checkpoint_callback.last_model_path = path
         trainer.save_checkpoint(path, weights_only=False)
         return str(path)
 
