@@ -9,14 +9,17 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_mp_lstm.checkpoint import CheckpointError
 from lightning_mp_lstm.contract import PipelineModel
 from lightning_mp_lstm.declaration import LSTMBlocks, ModelDeclarationError
+from lightning_mp_lstm.divergence import DivergenceError, DivergenceGuard
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.model import LSTMLanguageModel
 from lightning_mp_lstm.partition import PartitionError
+from lightning_mp_lstm.stopping import RunStopped, StopOnSignal
 from lightning_mp_lstm.strategy import MPLSTMStrategy
 from lightning_mp_lstm.timeline import PipelineTimeline
 
-__all__ = ["CheckpointError", "LSTMBlocks", "LSTMLanguageModel", "LayoutError", "MPLSTMStrategy",
-           "ModelDeclarationError", "ParallelLayout", "PartitionError", "PipelineModel", "PipelineTimeline"]
+__all__ = ["CheckpointError", "DivergenceError", "DivergenceGuard", "LSTMBlocks", "LSTMLanguageModel", "LayoutError",
+           "MPLSTMStrategy", "ModelDeclarationError", "ParallelLayout", "PartitionError", "PipelineModel",
+           "PipelineTimeline", "RunStopped", "StopOnSignal"]
 __version__ = "0.1.0"
 
 MPLSTMStrategy.register_strategies(StrategyRegistry)

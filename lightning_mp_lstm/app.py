@@ -6,8 +6,13 @@ instantiates the data module, strategy, model, callbacks, logger and trainer fro
 
 from __future__ import annotations
 
+import re
+import shlex
+import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -17,21 +22,30 @@ import torch
 from hydra.errors import InstantiationException
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
 from lightning_mp_lstm.checkpoint import local_model_state, read_checkpoint
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
+from lightning_mp_lstm.launcher import hydra_quote
 from lightning_mp_lstm.layout import LayoutError
 from lightning_mp_lstm.model import perplexity
+from lightning_mp_lstm.option_types import check_option_types
+from lightning_mp_lstm.run_name import register_resolver
+from lightning_mp_lstm.stopping import RunStopped
 from lightning_mp_lstm.timeline import PipelineTimeline
 
 __all__ = ["BestCheckpoint", "best_checkpoint", "build_model", "build_strategy", "build_trainer", "check_resume",
-           "format_summary", "instantiate_callbacks", "instantiate_loggers", "metric_value", "train", "trainer_devices"]
+           "exit_when_stopped", "format_summary", "instantiate_callbacks", "instantiate_loggers", "metric_value",
+           "resume_command", "train", "trainer_devices"]
+
+register_resolver()  # ${mp_lstm.run_name:} in conf/train.yaml's run directory
 
 
 def _build(node: DictConfig, group: str, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate`` whose error is the target's own, prefixed with the config group, instead of
-    Hydra's two-line wrapper."""
+    Hydra's two-line wrapper; a word given where a number is taken is refused first, by the option's name."""
+    check_option_types(node, group)
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as error:
@@ -310,3 +324,33 @@ def format_summary(summary: dict[str, Any]) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 40)
     return "\n".join([line, *(f"{k:<{width}}  {fmt(v)}" for k, v in rows), line])
+
+
+def resume_command(checkpoint: str) -> str:
+    """The command that resumes this Hydra job from ``checkpoint``: the program and this job's overrides, with
+    ``ckpt_path`` set to it (``ckpt_path=<checkpoint>`` alone outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides: list[str] = []
+    if HydraConfig.initialized():
+        overrides = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
+    plain = re.fullmatch(r"[\w./-]+", checkpoint)  # else quoted for Hydra's override grammar (",", "=", spaces...)
+    value = checkpoint if plain else hydra_quote(checkpoint)
+    return shlex.join(["python", sys.argv[0] or "train.py", *overrides, f"ckpt_path={value}"])
+
+
+@contextmanager
+def exit_when_stopped() -> Iterator[None]:
+    """Around ``train(cfg)`` in ``train.py``: a run stopped on a signal
+    (:class:`~lightning_mp_lstm.stopping.RunStopped`) ends the program with its ``exit_code`` (``128 +`` the signal's
+    number: 143 for ``SIGTERM``, 130 for Ctrl-C), after global rank 0 printed where it stopped and the command that
+    resumes it, instead of a traceback."""
+    try:
+        yield
+    except RunStopped as stopped:
+        if rank_zero_only.rank == 0:
+            lines = [f"\n{stopped}"]
+            if stopped.checkpoint and not stopped.requeued:
+                lines.append(f"Resume with: {resume_command(stopped.checkpoint)}")
+            print("\n".join(lines), file=sys.stderr, flush=True)
+        raise SystemExit(stopped.exit_code) from None

@@ -6,10 +6,11 @@ Two situations, two tools:
   or on every rank before a collective: :func:`result_from` and :func:`everywhere` share the outcome, an
   exception included, so every rank raises the same message within seconds instead of waiting for a peer
   that already gave up.
-* A peer that died (``SIGKILL``, out of memory) or failed somewhere no collective protects: the survivors'
-  next collective fails after the process-group timeout at most, with a transport message ("Connection closed
-  by peer [127.0.0.1]:29500") that names no rank. :class:`PeerDirectory` remembers every rank's host and pid
-  and the failures ranks report, and turns that message into one that names the failed rank.
+* A peer that died (``SIGKILL``, out of memory), stopped (``SIGSTOP``) or failed somewhere no collective protects:
+  the survivors' next collective fails after the process-group timeout at most, with a transport message
+  ("Connection closed by peer [127.0.0.1]:29500") that names no rank. :class:`PeerDirectory` remembers every
+  rank's host and pid and the failures ranks report (:func:`describe`: never an empty reason), and turns that
+  message into one that names the failed rank.
 """
 
 from __future__ import annotations
@@ -18,16 +19,19 @@ import os
 import pickle
 import re
 import socket
+import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["PeerDirectory", "everywhere", "gather", "looks_like_lost_peer", "object_group", "point_to_point_group",
-           "result_from", "setup_object_group"]
+__all__ = ["PeerDirectory", "describe", "everywhere", "gather", "looks_like_lost_peer", "object_group",
+           "point_to_point_group", "result_from", "setup_object_group"]
 
 T = TypeVar("T")
 
@@ -78,13 +82,25 @@ def point_to_point_group() -> dist.ProcessGroup | None:
     return _OBJECT_GROUP["point_to_point"] if dist.is_available() and dist.is_initialized() else None
 
 
+def describe(error: BaseException) -> str:
+    """``Type: message``; for an error without a message (``RuntimeError()``, a ``SystemExit``), where it was raised
+    and the error it was raised from, so that a report never reads ``RuntimeError:`` and nothing else."""
+    name = type(error).__name__
+    if str(error):
+        return f"{name}: {error}"
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    cause = error.__cause__ or error.__context__
+    return f"{name} (no message){where}" + (f", raised from {describe(cause)}" if cause is not None else "")
+
+
 def _portable(error: BaseException) -> BaseException:
     """``error`` if it survives pickling, else a ``RuntimeError`` with its type and message."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:  # noqa: BLE001  (any pickling failure)
-        return RuntimeError(f"{type(error).__name__}: {error}")
+        return RuntimeError(describe(error))
 
 
 def _raise_shared(error: BaseException, rank: int) -> None:
@@ -155,19 +171,57 @@ class _Peer:
     pid: int
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host is running (a zombie counts as dead)."""
+def _state(pid: int) -> str:
+    """The state of process ``pid`` of this host: ``"gone"`` (a zombie counts), ``"stopped"`` (``SIGSTOP``, Ctrl-Z,
+    a debugger) or ``"running"`` (also when it cannot be told)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return "gone"
     except PermissionError:
-        return True
+        return "running"
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
+        return "running"
+    return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
+
+
+@contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """The process's stderr (file descriptor 2) sent to ``os.devnull`` for a moment: a call to a store whose server
+    died while :func:`_listening` was asked writes a C++ stack dump there (torch's ``TCPStore`` warning), before the
+    message this module is composing."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _listening(store: Any) -> bool:
+    """Whether the server of a TCP store (under any prefix stores) still accepts connections; other stores: yes.
+
+    Asked before every use: a c10d store whose server has gone prints a C++ stack dump for every call."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if not isinstance(host, str) or not isinstance(port, int):
         return True
-    return state != "Z"
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 class PeerDirectory:
@@ -193,23 +247,26 @@ class PeerDirectory:
 
     @staticmethod
     def _store() -> Any:
+        """The process group's store, or ``None`` when there is none or its server (rank 0's) has gone."""
         try:
-            return dist.distributed_c10d._get_default_store()
+            store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001  (no store: nothing to report to)
             return None
+        return store if _listening(store) else None
 
     def _set(self, key: str, value: str) -> None:
         store = self._store()
         if store is None:
             return
         try:
-            store.set(key.format(rank=self.rank), value)
+            with _native_stderr_silenced():
+                store.set(key.format(rank=self.rank), value)
         except Exception:  # noqa: BLE001  (the store lives on rank 0, which may be gone)
             pass
 
     def report_failure(self, error: BaseException) -> None:
         """Tell the other ranks (through the process group's store) that this rank failed, and why."""
-        self._set(_FAILURE_KEY, f"{type(error).__name__}: {error}"[:800])
+        self._set(_FAILURE_KEY, describe(error)[:800])
 
     def _read(self, key: str) -> dict[int, str]:
         """Every other rank's value of ``key`` (``{rank}`` in it), for the ranks that set it."""
@@ -217,28 +274,30 @@ class PeerDirectory:
         found: dict[int, str] = {}
         if store is None:
             return found
-        for peer in self.peers:
-            name = key.format(rank=peer.rank)
-            try:
-                if peer.rank != self.rank and store.check([name]):
-                    found[peer.rank] = store.get(name).decode(errors="replace")
-            except Exception:  # noqa: BLE001  (store unreachable)
-                break
+        with _native_stderr_silenced():
+            for peer in self.peers:
+                name = key.format(rank=peer.rank)
+                try:
+                    if peer.rank != self.rank and store.check([name]):
+                        found[peer.rank] = store.get(name).decode(errors="replace")
+                except Exception:  # noqa: BLE001  (store unreachable)
+                    break
         return found
 
-    def _dead(self) -> list[_Peer]:
+    def _in_state(self, state: str) -> list[_Peer]:
         host = socket.gethostname()
-        return [p for p in self.peers if p.rank != self.rank and p.host == host and not _alive(p.pid)]
+        return [p for p in self.peers if p.rank != self.rank and p.host == host and _state(p.pid) == state]
 
     def lost_peers(self, wait: float = 2.0) -> list[str]:
-        """What is known of the ranks that failed: a failure they reported, or their process gone.
+        """What is known of the ranks that failed: a failure they reported, their process gone, or stopped.
 
         A rank that only lost a peer itself (and said so) is not a cause: it is left out. A failing rank reports a
         moment after its peers may notice it, so this polls for up to ``wait`` s.
         """
         deadline = time.monotonic() + wait
         while True:
-            reported, explained, dead = self._read(_FAILURE_KEY), self._read(_EXPLAINED_KEY), self._dead()
+            reported, explained = self._read(_FAILURE_KEY), self._read(_EXPLAINED_KEY)
+            dead, stopped = self._in_state("gone"), self._in_state("stopped")
             found = []
             for peer in self.peers:
                 where = f"rank {peer.rank} (pid {peer.pid} on {peer.host})"
@@ -246,6 +305,8 @@ class PeerDirectory:
                     found.append(f"{where} failed with {reported[peer.rank]}")
                 elif peer in dead and peer.rank not in explained:
                     found.append(f"{where} is no longer running (killed or crashed)")
+                elif peer in stopped:
+                    found.append(f"{where} is stopped (SIGSTOP, Ctrl-Z or a debugger) and does not answer")
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(0.2)

@@ -134,14 +134,19 @@ class JobLauncher(_SubprocessScriptLauncher):
         release_timeout: seconds :meth:`release` waits for the children to exit before killing them.
         failed_release_timeout: the same after a ``fit``/``validate``/``test`` that raised here: the children
             may be blocked in a collective this process will never join.
+        stopped_release_timeout: the same after :meth:`stop_watching` (every rank ends together, after saving).
     """
 
     def __init__(self, cluster_environment: Any, num_processes: int, num_nodes: int,
-                 release_timeout: float = 60.0, failed_release_timeout: float = 5.0) -> None:
+                 release_timeout: float = 60.0, failed_release_timeout: float = 5.0,
+                 stopped_release_timeout: float = 20.0) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.release_timeout = release_timeout
         self.failed_release_timeout = failed_release_timeout
+        self.stopped_release_timeout = stopped_release_timeout
         self._failed = False
+        self._stopping = False
+        self._unwatched: list[subprocess.Popen] = []
         self._saved_env: dict[str, str | None] | None = None
         self._saved_threads: int | None = None
 
@@ -178,13 +183,23 @@ class JobLauncher(_SubprocessScriptLauncher):
                 command, cwd = list(_basic_subprocess_cmd()), None
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
 
+    def stop_watching(self) -> None:
+        """Every rank of the job is about to end together (stopped on a signal, or an error raised on every rank):
+        detach Lightning's child-process observer, which kills every process, this one included, as soon as it sees a
+        child that exited with a non-zero status, possibly while this process is still saving or reporting.
+        :meth:`release` still waits for the children (at most ``stopped_release_timeout`` seconds)."""
+        self._unwatched.extend(self.procs)
+        self.procs.clear()  # the observer holds this list: empty, it reads "all exited with 0" and stops
+        self._stopping = True
+
     def release(self) -> None:
         """End this job's processes so a later job in the same process starts a fresh, correctly sized set.
 
         1. Detach Lightning's child-process observer (it watches ``self.procs`` itself, and kills this process
            when a child ends with a non-zero code, which would end a whole sweep), then wait for the children,
-           at most ``release_timeout`` seconds (``failed_release_timeout`` after a failed launch); kill those
-           still running and warn, as also about children that ended with an error.
+           at most ``release_timeout`` seconds (``failed_release_timeout`` after a failed launch,
+           ``stopped_release_timeout`` after :meth:`stop_watching`); kill those still running and warn, as also
+           about children that ended with an error (unless the ranks stopped together).
         2. Destroy the default process group (and with it the mesh's sub-groups): Lightning does not initialize
            a group when one exists, and the device mesh checks its size against the old one.
         3. Restore ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
@@ -194,11 +209,14 @@ class JobLauncher(_SubprocessScriptLauncher):
 
         Safe to call twice; on a process that launched nothing (a child rank) it only destroys the group.
         """
-        children = list(self.procs)
+        children = [*self._unwatched, *self.procs]
         # Lightning's observer thread holds this very list: emptied, it reads "all exited with 0" and stops at
         # its next poll instead of killing this process when a child fails or is killed below.
         self.procs.clear()
-        timeout = self.failed_release_timeout if self._failed else self.release_timeout
+        self._unwatched = []
+        stopped, self._stopping = self._stopping, False
+        timeout = (self.stopped_release_timeout if stopped
+                   else self.failed_release_timeout if self._failed else self.release_timeout)
         deadline = time.monotonic() + timeout
         killed, failed = [], []
         for local_rank, proc in enumerate(children, start=1):
@@ -210,14 +228,14 @@ class JobLauncher(_SubprocessScriptLauncher):
                 proc.wait()
                 killed.append(proc.pid)
             else:
-                if proc.returncode:
+                if proc.returncode and not stopped:
                     failed.append((local_rank, proc.pid, proc.returncode))
         if killed:
             warnings.warn(
                 f"JobLauncher.release: rank processes {killed} were still running {timeout:g} s after "
                 f"the job {'failed' if self._failed else 'ended'} and were killed", RuntimeWarning, stacklevel=2,
             )
-        if failed:  # in Lightning's observer's words, which no longer watches them
+        if failed:  # in Lightning's observer's words, which no longer watches them (a stop's exit codes are expected)
             warnings.warn("\n".join(
                 rank_prefixed_message(f"Child process with PID {pid} terminated with code {code}.", rank)
                 for rank, pid, code in failed

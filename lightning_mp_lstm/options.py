@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from lightning_mp_lstm.activations import GIB, memory_per_process
 from lightning_mp_lstm.layout import LayoutError, ParallelLayout, default_stages_per_rank, schedule_style
 from lightning_mp_lstm.precision import NUMERICS
 from lightning_mp_lstm.validation import check_positive_int, check_positive_number
@@ -39,6 +40,7 @@ class ProcessOptions:
     timeout: timedelta = timedelta(seconds=300)
     num_threads: int | str = "auto"
     numerics: str = "default"
+    memory_per_process: float | str = "auto"
 
     def __post_init__(self) -> None:
         check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size, LayoutError, also=("auto",))
@@ -64,6 +66,16 @@ class ProcessOptions:
         check_positive_int("num_threads", self.num_threads, also=("auto",))
         if self.numerics not in NUMERICS:
             raise ValueError(f"unknown numerics {self.numerics!r}; allowed: {', '.join(NUMERICS)}")
+        if self.memory_per_process != "auto":
+            check_positive_number("memory_per_process (GiB, or 'auto')", self.memory_per_process)
+
+    def memory_budget(self, device: Any, local_processes: int) -> tuple[int | None, str]:
+        """Bytes one process may use, and where that comes from: ``memory_per_process`` GiB, or (``"auto"``) the
+        GPU's memory, or the machine's (its cgroup's limit) shared by this node's ``local_processes``."""
+        if self.memory_per_process != "auto":
+            return int(float(self.memory_per_process) * GIB), f"strategy.memory_per_process={self.memory_per_process}"
+        where = "the GPU's memory" if device.type == "cuda" else f"this machine's over {local_processes} processes"
+        return memory_per_process(device, local_processes), f"{where}; strategy.memory_per_process sets it"
 
     @property
     def fixed_world_size(self) -> int | None:

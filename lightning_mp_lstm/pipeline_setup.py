@@ -14,6 +14,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized, 
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_mp_lstm.activations import check_activation_memory
 from lightning_mp_lstm.contract import PipelineModel, check_data
 from lightning_mp_lstm.declaration import ModelDeclarationError
 from lightning_mp_lstm.engine import PipelineEngine, ProcessGroups, build_engine
@@ -58,6 +59,7 @@ def replica_rows(datamodule: Any, layout: ParallelLayout) -> int:
 def check_run(
     blocks: PipelineModel, model_name: str, precision: Precision, layout: ParallelLayout, options: PlanOptions,
     process: ProcessOptions, datamodule: Any = None, planned: bool = False, fitting: bool = True,
+    device: torch.device | None = None, local_processes: int = 1,
 ) -> None:
     """Everything about a run that can be wrong before its first collective (see ``MPLSTMStrategy.check``).
 
@@ -70,7 +72,9 @@ def check_run(
         process: the process options (batch checks).
         datamodule: where the batch shape comes from.
         planned: a plan exists already (``validate``/``test``/``predict`` after ``fit`` keep it).
-        fitting: the run trains (the batch must split into the microbatches).
+        fitting: the run trains (the batch must split into the microbatches; its activations must fit).
+        device: this process's device (the memory check's budget; ``None``: not checked).
+        local_processes: the processes on this node (they share its memory).
     """
     name = getattr(precision, "precision", None)
     if getattr(precision, "scaler", None) is not None or name in REFUSED_PRECISIONS:
@@ -97,6 +101,8 @@ def check_run(
         process.check_batch(layout, datamodule)
     if layout.time_chunks > 1 and not options.auto_time_chunks:
         layout.check_time_chunks(getattr(datamodule, "bucket_lengths", None) or [])
+    if fitting and device is not None:
+        check_activation_memory(blocks, layout, datamodule, *process.memory_budget(device, local_processes))
 
 
 def plan_run(

@@ -58,6 +58,7 @@ from lightning_mp_lstm.pipeline_setup import (
 from lightning_mp_lstm.plan import PipelinePlan, PlanOptions
 from lightning_mp_lstm.precision import PipelinePrecision, set_numerics
 from lightning_mp_lstm.steps import PipelineSteps
+from lightning_mp_lstm.stopping import StopOnSignal, check_stop_signals
 from lightning_mp_lstm.validation import check_bool
 
 __all__ = ["MPLSTMStrategy"]
@@ -108,6 +109,10 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         verify: before training on the first batch, compare the module's own ``training_step`` on one process with
             the pipeline on it (:mod:`~lightning_mp_lstm.verify`); a difference stops the run, naming it.
         process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
+        memory_per_process: GiB of memory one process may use (``"auto"``: the GPU's, or the machine's over its
+            processes): a run whose largest training batch needs more for its activations is refused before launch.
+        stop_signals: signals that stop every rank at the next step boundary with a checkpoint
+            (:class:`~lightning_mp_lstm.stopping.StopOnSignal`, added to the Trainer); ``()``: Lightning's handling.
     """
 
     strategy_name = "mp_lstm"
@@ -132,6 +137,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         numerics: str = "default",
         verify: bool = False,
         process_group_backend: str | None = None,
+        memory_per_process: float | str = "auto",
+        stop_signals: Sequence[str] = ("SIGTERM",),
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -146,8 +153,9 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
                                     n_microbatches=n_microbatches, time_chunks=time_chunks)
         self._process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
                                        data_parallel_weights, stages_per_rank, schedule, checkpoint_format,
-                                       timeout, num_threads, numerics)
+                                       timeout, num_threads, numerics, memory_per_process)
         self._process_group_backend = process_group_backend
+        self._stop_signals = tuple(s.name for s in check_stop_signals(stop_signals))
         self.num_nodes = 1
         self._layout: ParallelLayout | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -358,10 +366,13 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
                 batch shape and the data module does not say it.
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
             LayoutError: ``n_microbatches`` does not fit the batch, or ``time_chunks`` the shortest bucket.
+            ActivationMemoryError: the largest training batch's activations cannot fit ``memory_per_process``.
         """
         blocks = self._blocks(model)
-        check_run(blocks, type(model).__name__, self.precision_plugin, self.layout, self._options,
-                  self._process, datamodule, planned=self._plan is not None, fitting=fitting)
+        device = self.root_device if self.parallel_devices else None
+        check_run(blocks, type(model).__name__, self.precision_plugin, self.layout, self._options, self._process,
+                  datamodule, planned=self._plan is not None, fitting=fitting, device=device,
+                  local_processes=self.num_processes)
         if self._engine_module is not model:  # the whole module, before pruning (each warning shows once)
             report_not_reproduced(model, blocks, warn=self.global_rank == 0)
 
@@ -369,6 +380,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if self._stop_signals and not any(isinstance(c, StopOnSignal) for c in trainer.callbacks):
+            trainer.callbacks.append(StopOnSignal(self._stop_signals))
         module = self.lightning_module
         if self._engine is None or self._engine_module is not module:
             self._engine = self._build_engine(module, trainer)

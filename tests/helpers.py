@@ -33,6 +33,30 @@ TINY_RUN = ["trainer=ci", "data.batch_size=16", "model.hidden_size=16", "model.e
 ONE_PROCESS = "layout=single"
 #: The small synthetic corpus's sizes (only with ``data=synthetic``, the default).
 SMALL_SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40", "data.synthetic.num_test=40"]
+#: What the user sees in each case of ``docs/reliability.md``'s table "Stopped, preempted, stuck or diverging": the
+#: tests search what they get for these, and ``tests/test_docs.py`` checks that the table has a row for every case
+#: whose "what the user sees" cell holds a match.
+RELIABILITY_MESSAGES = {
+    "stopped by a signal": r"mp_lstm: stopped by SIGTERM at global step \d+ \(epoch \d+, after batch_idx \d+ of "
+                           r"\d+\); saved a checkpoint to \S+last\.ckpt; resume from it with ckpt_path=\S+last\.ckpt",
+    "stopped by a signal, train.py's last line": r"Resume with: python train\.py( \S+)* ckpt_path=\S+last\.ckpt",
+    "a failure without a message": r"mp_lstm: rank 0 stopped because it lost a peer: rank 1 \(pid \d+ on \S+\) failed "
+                                   r"with RuntimeError \(no message\) at \w+\.py:\d+ in \w+\. Transport error: ",
+    "a rank stopped (SIGSTOP)": r"mp_lstm: rank 0 stopped because it lost a peer: rank 1 \(pid \d+ on \S+\) is "
+                                r"stopped \(SIGSTOP, Ctrl-Z or a debugger\) and does not answer\. Transport error: ",
+    "rank 0 killed": r"mp_lstm: rank 1 stopped because it lost a peer: rank 0 \(pid \d+ on [^)]+\) is no longer "
+                     r"running \(killed or crashed\)\. Transport error: ",
+    "diverging: above max_loss": r"mp_lstm: training diverged at global step \d+ \(epoch \d+, batch_idx \d+\): "
+                                 r"train/loss is [\d.e+]+, above max_loss=100\. Lower the learning rate or clip "
+                                 r"gradients \(gradient_clip_val\); checkpoints saved before this step hold the "
+                                 r"weights from before it",
+    "diverging: rising": r"mp_lstm: training diverged at global step \d+ \(epoch \d+, batch_idx \d+\): train/loss "
+                         r"rose at each of the last 4 steps \(patience=4\): [\d.]+( -> [\d.]+){4}\. Lower the "
+                         r"learning rate",
+    "a 100,000-token line, buckets=auto": r"1 of 301 sentences are longer than the largest bucket \(\d+ tokens\) and "
+                                          r"were split into pieces",
+    "runs started together": r"\d{2}-\d{2}-\d{2}\.\d{6}_\d+",
+}
 
 
 # ----- the documentation's examples, as modules -------------------------------------------------------------------
@@ -282,6 +306,23 @@ def assert_same_predictions(got: list[dict], expected: list[dict]) -> None:
 
 
 # ----- processes -------------------------------------------------------------------------------------------
+class DictStore:
+    """The part of a c10d store that :class:`~lightning_mp_lstm.faults.PeerDirectory` uses, in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+
+
 def run_ranks(fn: Any, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     """:func:`lightning_mp_lstm.testing.run_ranks` with its ranks forked from the forkserver unless ``start_method``
     says otherwise: a rank then starts in milliseconds instead of importing torch and Lightning again (about 7 s for

@@ -84,7 +84,7 @@ def test_the_summary_evaluates_the_best_checkpoint(tmp_path, capsys):
     assert "embedding.weight" in saved["state_dict"]
     assert saved["LMDataModule"]["vocab"]["tokens"][:3] == ["<pad>", "<unk>", "<eos>"]
     assert saved["global_step"] == 2 and torch.load(last, weights_only=False)["global_step"] == 4
-    score = next(s["best_model_score"] for k, s in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    score = next(s["best_model_score"] for k, s in saved["callbacks"].items() if k.startswith("RunCheckpoint"))
     # Validating the best checkpoint again gives the score it was saved for.
     assert summary["val_loss"] == pytest.approx(float(score), rel=1e-5)
     assert summary["evaluated"] == f"best.ckpt (val/loss {float(score):.4f}, step 2)"

@@ -50,6 +50,8 @@ CASES = [
          r"model: Error loading 'torch.optim.RMSpropp'"),
     Case("model: tied weights of two widths", ["model.tie_weights=true", "model.embedding_dim=8"],
          r"tie_weights=True needs embedding_dim == hidden_size, got 8 and 16"),
+    Case("model: learning rate a word", ["model.optimizer.lr=fast"],
+         r"^model.optimizer.lr must be a number \(torch.optim.Adam's lr\), got 'fast'$", "TypeError"),
     # ----- layouts and schedules
     Case("layout: devices for another layout", ["layout=dp2_pp2", "trainer.devices=2"],
          r"the layout needs data_parallel_size=2 x pipeline_parallel_size=2 = 4 processes \(stages_per_rank=1 adds "
@@ -103,6 +105,15 @@ CASES = [
     Case("buckets: no automatic bucket", ["buckets.num_buckets=0"], r"num_buckets must be a positive integer, got 0"),
     Case("buckets: unknown long-sentence policy", ["data.long_sentence_policy=chop"],
          r"unknown long_sentence_policy 'chop'; allowed: split, truncate, drop"),
+    Case("buckets: a 100,000-token line with no length cap",
+         ["data=text", "data.train={long}", "data.valid={text}", "data.test={text}", "buckets.max_length=null",
+          "strategy.memory_per_process=1"],
+         r"a training batch of the longest bucket \(100,001 tokens, as long as the longest training line \(line 8 of "
+         r".*long.txt, 100,001 tokens\)\) keeps about [\d.]+ GiB of activations on a process \(\d+ sentences in "
+         r"flight\), more than the 1.0 GiB each may use \(strategy.memory_per_process=1\). Cap the bucket length "
+         r"\(train.py: buckets.max_length=<tokens>; LMDataModule\(max_bucket_length=...\)\): longer lines are then "
+         r"split into pieces; or lower data.batch_size / data.max_tokens", "ActivationMemoryError",
+         files={"long": "long_line", "text": "text"}),
     # ----- corpora
     Case("corpus: unknown source", ["data.source=csv"],
          r"unknown data source 'csv'; expected one of synthetic, ptb, wikitext, text"),
@@ -150,6 +161,10 @@ CASES = [
          r"the checkpoint's vocabulary differs from the one built from the training data \(checkpoint vs data: "
          r"[\d,]+ words vs [\d,]+ words; first difference at id \d+: 'w\d+' vs 'w\d+'\)", "ValueError",
          files={"checkpoint": "checkpoint"}),
+    Case("checkpoint: non-finite values", ["ckpt_path={nan}"],
+         r"checkpoint .*nan.ckpt holds non-finite values: lstm.0.weight_hh_l0 has 1 NaN or infinite value\(s\) of "
+         r"1,024; the file is damaged or was saved after training diverged: resume from an earlier checkpoint",
+         "CheckpointError", files={"nan": "nan_checkpoint"}),
     Case("checkpoint: truncated, on two processes", ["layout=pp2", "ckpt_path={truncated}"],
          r"cannot be read: it is truncated or not a checkpoint", "CheckpointError",
          files={"truncated": "truncated_checkpoint"}),
@@ -175,6 +190,19 @@ def _make_file(kind: str, directory: Path, good: Path) -> Path:
         path = directory / "truncated.ckpt"
         data = good.read_bytes()
         path.write_bytes(data[: len(data) // 2])
+        return path
+    if kind == "nan_checkpoint":  # one bit pattern gone wrong: a NaN in a recurrent weight
+        path = directory / "nan.ckpt"
+        checkpoint = torch.load(good, weights_only=False)
+        checkpoint["state_dict"]["lstm.0.weight_hh_l0"][3, 5] = float("nan")
+        torch.save(checkpoint, path)
+        return path
+    if kind == "long_line":  # 300 lines of 5 to 30 words, and line 8 of 100,000
+        path = directory / "long.txt"
+        words = [f"w{i}" for i in range(50)]
+        lines = [" ".join(words[(i * 7 + j) % 50] for j in range(5 + i % 26)) for i in range(300)]
+        lines.insert(7, " ".join(words[j % 50] for j in range(100_000)))
+        path.write_text("\n".join(lines) + "\n")
         return path
     if kind == "text":
         path = directory / "text.txt"

@@ -404,3 +404,29 @@ def test_merged_optimizer_state_lists_parameters_in_model_order():
     # Without an order the process order is kept.
     assert merge_optimizer_states([rank0, rank1])["param_groups"][0]["params"][:2] == ["embedding.weight",
                                                                                       "decoder.weight"]
+
+
+class _LastCheckpointSeen(pl.Callback):
+    """The global step of ``last.ckpt`` in ``directory`` (``None``: no file) at the end of every training batch."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.seen = directory, []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        path = self.directory / "last.ckpt"
+        self.seen.append(read_checkpoint(path)["global_step"] if path.exists() else None)
+
+
+def test_step_checkpoints_do_not_wait_for_the_monitored_metric(tmp_path):
+    """``train.py``'s checkpoint callback with ``every_n_train_steps``: ``last.ckpt`` every 2 steps although the
+    monitored ``val/loss`` is never logged (Lightning's ``ModelCheckpoint`` saves nothing until a validation)."""
+    from lightning_mp_lstm.checkpoint import RunCheckpoint
+
+    warnings.filterwarnings("ignore")
+    seen = _LastCheckpointSeen(tmp_path)
+    save = RunCheckpoint(dirpath=tmp_path, filename="best", monitor="val/loss", save_last=True, every_n_train_steps=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, limit_val_batches=0, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[seen, save])
+    trainer.fit(_model(), datamodule=FixedBatches((5, 9, 7, 5, 9, 7)))
+    # Seen before the checkpoint callback runs in each batch: step 2's file from step 3 on, step 4's from step 5.
+    assert seen.seen == [None, None, 2, 2, 4]

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mp_lstm import LayoutError, MPLSTMStrategy, PartitionError
+from lightning_mp_lstm import DivergenceGuard, LayoutError, MPLSTMStrategy, PartitionError
 from lightning_mp_lstm.app import (
     build_model,
     build_strategy,
@@ -24,6 +24,7 @@ from lightning_mp_lstm.app import (
     instantiate_callbacks,
     instantiate_loggers,
 )
+from lightning_mp_lstm.checkpoint import RunCheckpoint
 from lightning_mp_lstm.declaration import pipeline_model
 from lightning_mp_lstm.timeline import PipelineTimeline
 
@@ -42,11 +43,16 @@ CHECKPOINTS = str(RUN / "checkpoints")
 
 #: What each option composes to: dotted keys of the composed config and their values.
 EXPECTED: dict[tuple[str, str], dict[str, Any]] = {
-    ("buckets", "auto"): {"buckets.lengths": "auto", "buckets.num_buckets": 5, "data.buckets": "auto"},
-    ("buckets", "mxnet"): {"buckets.lengths": [8, 16, 24, 32, 60], "data.num_auto_buckets": None},
-    ("buckets", "none"): {"buckets.lengths": None, "data.buckets": None},
+    ("buckets", "auto"): {"buckets.lengths": "auto", "buckets.num_buckets": 5, "data.buckets": "auto",
+                          "data.max_bucket_length": "auto"},
+    ("buckets", "mxnet"): {"buckets.lengths": [8, 16, 24, 32, 60], "data.num_auto_buckets": None,
+                           "data.max_bucket_length": None},
+    ("buckets", "none"): {"buckets.lengths": None, "data.buckets": None, "data.max_bucket_length": "auto"},
     ("callbacks", "default"): {"callbacks.model_checkpoint.monitor": "val/loss",
-                               "callbacks.progress_bar.refresh_rate": 1, "callbacks.timeline.steps": [2, 3]},
+                               "callbacks.progress_bar.refresh_rate": 1, "callbacks.timeline.steps": [2, 3],
+                               "callbacks.divergence.max_loss": 100.0},
+    ("callbacks", "divergence"): {"callbacks.divergence._target_": "lightning_mp_lstm.DivergenceGuard",
+                                  "callbacks.divergence.patience": None, "callbacks.model_checkpoint": None},
     ("callbacks", "model_checkpoint"): {"callbacks.model_checkpoint.dirpath": CHECKPOINTS,
                                         "callbacks.model_checkpoint.save_last": True, "callbacks.progress_bar": None},
     ("callbacks", "none"): {"callbacks": {}},
@@ -193,19 +199,20 @@ def test_every_option_composes_with_its_values_and_instantiates(group, option):
 def test_ci_trainer_drops_the_progress_bar_callback():
     cfg = _compose("trainer=ci")
     callbacks = instantiate_callbacks(cfg.callbacks, cfg.trainer)
-    assert [type(c) for c in callbacks] == [ModelCheckpoint, PipelineTimeline]
-    assert [type(c) for c in instantiate_callbacks(cfg.callbacks)] == [ModelCheckpoint, TQDMProgressBar,
-                                                                        PipelineTimeline]
+    assert [type(c) for c in callbacks] == [RunCheckpoint, PipelineTimeline, DivergenceGuard]
+    assert [type(c) for c in instantiate_callbacks(cfg.callbacks)] == [RunCheckpoint, TQDMProgressBar,
+                                                                        PipelineTimeline, DivergenceGuard]
 
 
 def test_callbacks_and_loggers_can_be_added_or_removed_from_the_command_line():
     cfg = _compose("+callbacks.summary._target_=lightning.pytorch.callbacks.ModelSummary",
                    "+callbacks.summary.max_depth=2")
     built = instantiate_callbacks(cfg.callbacks)
-    assert [type(c).__name__ for c in built] == ["ModelCheckpoint", "TQDMProgressBar", "PipelineTimeline",
-                                                 "ModelSummary"]
+    assert [type(c).__name__ for c in built] == ["RunCheckpoint", "TQDMProgressBar", "PipelineTimeline",
+                                                 "DivergenceGuard", "ModelSummary"]
     cfg = _compose("~callbacks.timeline")
-    assert [type(c).__name__ for c in instantiate_callbacks(cfg.callbacks)] == ["ModelCheckpoint", "TQDMProgressBar"]
+    assert [type(c).__name__ for c in instantiate_callbacks(cfg.callbacks)] == ["RunCheckpoint", "TQDMProgressBar",
+                                                                                "DivergenceGuard"]
     cfg = _compose("~logger", "~callbacks")
     assert instantiate_loggers(cfg.get("logger")) == [] and instantiate_callbacks(cfg.get("callbacks")) == []
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import load_example, run_command
+from tests.helpers import RELIABILITY_MESSAGES, load_example, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -81,3 +81,16 @@ def test_sphinx_site_builds_without_warnings(tmp_path):
     assert "tiny_data" in quickstart and "MPLSTMStrategy" in quickstart
     assert "initialize_config_dir" in (out / "configuration.html").read_text()
     assert "MPLSTMStrategy" in (out / "api.html").read_text()
+
+
+def test_the_reliability_page_shows_what_the_user_sees_in_every_tested_case():
+    """Every case of ``RELIABILITY_MESSAGES`` (each matched against a real run by its test) has a row in
+    docs/reliability.md's table "Stopped, preempted, stuck or diverging" whose last cell holds a match."""
+    page = (DOCS / "reliability.md").read_text()
+    table = page.split("## Stopped, preempted, stuck or diverging", 1)[1].split("\n## ", 1)[0]
+    rows = {cells[1].strip(): cells[-2].strip() for cells in
+            (line.split("|") for line in table.splitlines() if line.startswith("| ") and "---" not in line)}
+    rows.pop("case")
+    assert set(rows) == set(RELIABILITY_MESSAGES)
+    for case, pattern in RELIABILITY_MESSAGES.items():
+        assert re.search(pattern, rows[case]), (case, rows[case])

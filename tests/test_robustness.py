@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_mp_lstm
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
-from tests.helpers import VOCAB, FixedBatches, run_ranks
+from tests.helpers import VOCAB, DictStore, FixedBatches, run_ranks
 
 TIMEOUT = 8.0  # the strategy's process-group timeout, seconds
 CRASHED_RANK, CRASH_BATCH = 1, 2
@@ -125,22 +125,6 @@ def test_strategy_name_and_a_second_import_are_harmless():
     assert isinstance(MPLSTMStrategy(timeout=3)._process.timeout, timedelta)
 
 
-class _DictStore:
-    """The part of a c10d store that :class:`PeerDirectory` uses."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.values[key] = value.encode()
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.values for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.values[key]
-
-
 def _ended_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -152,7 +136,7 @@ def test_a_rank_that_only_lost_a_peer_is_not_named_as_the_cause(monkeypatch):
     reported its own error) with its message."""
     from lightning_mp_lstm import faults
 
-    store = _DictStore()
+    store = DictStore()
     monkeypatch.setattr(faults.PeerDirectory, "_store", staticmethod(lambda: store))
     host = socket.gethostname()
     peers = [faults._Peer(0, host, os.getpid()), faults._Peer(1, host, _ended_pid()),

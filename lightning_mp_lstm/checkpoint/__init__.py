@@ -17,9 +17,12 @@ One module per job:
 - :mod:`~lightning_mp_lstm.checkpoint.formats`: :class:`FileFormat` (one file gathered on global rank 0,
   :func:`gather_to_rank_zero`) and :class:`ShardedFormat`, the objects ``MPLSTMStrategy``'s checkpoint hooks
   delegate to.
+- :mod:`~lightning_mp_lstm.checkpoint.callback`: :class:`RunCheckpoint`, ``train.py``'s ``ModelCheckpoint``, whose
+  step checkpoints do not wait for a validation metric.
 """
 
 # AtomicCheckpointIO calls _serialize from here: tests replace lightning_mp_lstm.checkpoint._serialize to fail a write
+from lightning_mp_lstm.checkpoint.callback import RunCheckpoint
 from lightning_mp_lstm.checkpoint.files import AtomicCheckpointIO, CheckpointError, read_checkpoint
 from lightning_mp_lstm.checkpoint.files import _serialize as _serialize
 from lightning_mp_lstm.checkpoint.formats import (
@@ -55,6 +58,7 @@ __all__ = [
     "CheckpointFormat",
     "FileFormat",
     "ModelNames",
+    "RunCheckpoint",
     "ShardedFormat",
     "checkpoint_format",
     "consolidate",

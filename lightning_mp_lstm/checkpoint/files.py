@@ -12,9 +12,10 @@ import torch
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "read_checkpoint"]
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "check_finite", "read_checkpoint"]
 
 
 class CheckpointError(ValueError):
@@ -31,7 +32,8 @@ def read_checkpoint(path: str | os.PathLike, load: Any = None, model_state: bool
 
     Raises:
         FileNotFoundError: there is no such file.
-        CheckpointError: the file exists but is not a complete checkpoint.
+        CheckpointError: the file exists but is not a complete checkpoint, or a model or optimizer tensor in it holds
+            a NaN or an infinity (:func:`check_finite`).
     """
     fs = get_filesystem(path)
     if not fs.exists(path):
@@ -47,7 +49,35 @@ def read_checkpoint(path: str | os.PathLike, load: Any = None, model_state: bool
         ) from error
     if not isinstance(checkpoint, dict) or (model_state and "state_dict" not in checkpoint):
         raise CheckpointError(f"{path} holds no model state ('state_dict'): it is not a Lightning checkpoint")
+    if model_state:
+        check_finite(checkpoint, f"checkpoint {path}")
     return checkpoint
+
+
+def _tensors(checkpoint: dict[str, Any]) -> Any:
+    """``(name, tensor)`` of every model and optimizer-state tensor of a Lightning checkpoint dictionary."""
+    yield from checkpoint.get("state_dict", {}).items()
+    for i, optimizer in enumerate(checkpoint.get("optimizer_states", [])):
+        for parameter, entries in (optimizer.get("state", {}) if isinstance(optimizer, dict) else {}).items():
+            for key, value in entries.items():
+                yield f"optimizer {i} state {key!r} of {parameter}", value
+
+
+def check_finite(checkpoint: dict[str, Any], source: str) -> None:
+    """Refuse a checkpoint whose model or optimizer tensors hold a NaN or an infinity: a damaged file (a flipped
+    bit) or a run saved after it diverged would otherwise load and fail steps later as a NaN loss.
+
+    Raises:
+        CheckpointError: naming the first such tensor and how many of its values are not finite.
+    """
+    for name, value in _tensors(checkpoint):
+        value = value.to_local() if isinstance(value, DTensor) else value  # this process's shard: no collective
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise CheckpointError(
+                f"{source} holds non-finite values: {name} has {bad:,} NaN or infinite value(s) of {value.numel():,}; "
+                "the file is damaged or was saved after training diverged: resume from an earlier checkpoint"
+            )
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -19,7 +19,7 @@ from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 from typing_extensions import override
 
-from lightning_mp_lstm.checkpoint.files import read_checkpoint
+from lightning_mp_lstm.checkpoint.files import check_finite, read_checkpoint
 from lightning_mp_lstm.checkpoint.sharded import is_sharded, load_sharded, save_sharded
 from lightning_mp_lstm.checkpoint.state import (
     ModelNames,
@@ -30,7 +30,7 @@ from lightning_mp_lstm.checkpoint.state import (
     name_keyed_optimizer_state,
     optimizer_state,
 )
-from lightning_mp_lstm.faults import gather, point_to_point_group, result_from
+from lightning_mp_lstm.faults import everywhere, gather, point_to_point_group, result_from
 
 __all__ = ["CheckpointFormat", "FileFormat", "ShardedFormat", "checkpoint_format", "gather_to_rank_zero"]
 
@@ -67,7 +67,10 @@ class CheckpointFormat:
         """Read a checkpoint on every rank: a sharded directory (this process's tensors) or one file (all of it; a
         truncated or foreign file gets a message naming it)."""
         if is_sharded(path):
-            return load_sharded(path, module, [_inner(o) for o in optimizers], names.aliases)
+            # Every rank reads its own tensors: a damaged one fails every rank, not only its reader.
+            checkpoint = load_sharded(path, module, [_inner(o) for o in optimizers], names.aliases)
+            everywhere(lambda: check_finite(checkpoint, f"sharded checkpoint {path}"))
+            return checkpoint
         return read_checkpoint(path, load=lambda p: io.load_checkpoint(p, weights_only=weights_only))
 
     def remove(self, path: Any, io: CheckpointIO) -> None:

@@ -18,12 +18,36 @@ from typing_extensions import override
 
 from lightning_mp_lstm.validation import check_positive_int
 
-__all__ = ["LONG_SENTENCE_POLICIES", "BucketedDataset", "auto_buckets", "resolve_buckets"]
+__all__ = ["LONG_SENTENCE_POLICIES", "OUTLIER_FACTOR", "BucketedDataset", "auto_buckets", "length_cap",
+           "resolve_buckets"]
 
 log = logging.getLogger("lightning_mp_lstm.data")
 
 #: Allowed values of ``long_policy``.
 LONG_SENTENCE_POLICIES: tuple[str, str, str] = ("split", "truncate", "drop")
+#: ``max_length="auto"``: a sentence longer than this many times the 99th percentile of the lengths is an outlier.
+OUTLIER_FACTOR = 4
+
+
+def length_cap(lengths: Sequence[int] | np.ndarray, max_length: int | str | None) -> int | None:
+    """The longest bucket that computed buckets (``"auto"``, ``None``) may have; longer sentences are then split (or
+    truncated, or dropped) by the long-sentence policy.
+
+    Args:
+        lengths: Sentence lengths in model tokens.
+        max_length: A positive integer; ``"auto"``: :data:`OUTLIER_FACTOR` x the 99th percentile of ``lengths``
+            (nearest lower rank), so one line far longer than the rest (a 100,000-token line among sentences of 30)
+            does not set the longest bucket while a corpus's usual tail does; ``None``: no cap.
+
+    Returns:
+        The cap, or ``None``.
+    """
+    if max_length is None:
+        return None
+    if max_length != "auto":
+        return int(check_positive_int("max_bucket_length", max_length, also=("auto",)))
+    arr = np.asarray(lengths)
+    return OUTLIER_FACTOR * int(np.percentile(arr, 99, method="lower")) if arr.size else None
 
 
 def auto_buckets(lengths: Sequence[int] | np.ndarray, num_buckets: int) -> list[int]:
@@ -78,7 +102,8 @@ def auto_buckets(lengths: Sequence[int] | np.ndarray, num_buckets: int) -> list[
 
 
 def resolve_buckets(
-    buckets: Sequence[int] | str | None, lengths: Sequence[int] | np.ndarray, num_auto_buckets: int = 5
+    buckets: Sequence[int] | str | None, lengths: Sequence[int] | np.ndarray, num_auto_buckets: int = 5,
+    max_length: int | str | None = None,
 ) -> list[int]:
     """Turn a bucket specification into a sorted list of bucket lengths.
 
@@ -88,6 +113,7 @@ def resolve_buckets(
             of the longest length).
         lengths: Sentence lengths in model tokens (used by ``"auto"``/``None``).
         num_auto_buckets: Number of buckets for ``"auto"``.
+        max_length: The cap of ``"auto"``/``None`` buckets (see :func:`length_cap`; default: none).
 
     Returns:
         Sorted, distinct, positive bucket lengths.
@@ -95,15 +121,18 @@ def resolve_buckets(
     Raises:
         ValueError: For an invalid specification.
     """
-    if buckets is None:
+    if buckets is None or isinstance(buckets, str):
+        if isinstance(buckets, str) and buckets != "auto":
+            raise ValueError(f"buckets must be a list of lengths, 'auto' or None, got {buckets!r}")
         arr = np.asarray(lengths)
+        cap = length_cap(arr, max_length)
+        if cap is not None:
+            arr = np.minimum(arr, cap)  # the longer sentences become pieces of (at most) the cap
+        if buckets == "auto":
+            return auto_buckets(arr, num_auto_buckets)
         if arr.size == 0:
             raise ValueError("cannot pad to the maximum length of an empty list of lengths")
         return [int(arr.max())]
-    if isinstance(buckets, str):
-        if buckets != "auto":
-            raise ValueError(f"buckets must be a list of lengths, 'auto' or None, got {buckets!r}")
-        return auto_buckets(lengths, num_auto_buckets)
     out = sorted({int(b) for b in buckets})
     if not out or out[0] < 1:
         raise ValueError(f"bucket lengths must be a non-empty list of positive integers, got {list(buckets)}")

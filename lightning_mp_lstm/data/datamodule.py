@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_mp_lstm.data import sources
 from lightning_mp_lstm.data.buckets import BucketedDataset, resolve_buckets
 from lightning_mp_lstm.data.corpus import SPLITS
 from lightning_mp_lstm.data.download import download_ptb
@@ -78,6 +79,8 @@ class LMDataModule(pl.LightningDataModule):
         buckets: Bucket lengths, ``"auto"`` (minimal padding, see :func:`~lightning_mp_lstm.data.buckets.auto_buckets`),
             or ``None`` (pad to the longest sentence).
         num_auto_buckets: Number of buckets for ``"auto"`` (``None``: 5).
+        max_bucket_length: Longest bucket of ``"auto"``/``None`` buckets (longer sentences follow the policy below);
+            ``"auto"``: 4x the 99th percentile of the lengths (see :func:`~lightning_mp_lstm.data.buckets.length_cap`).
         long_sentence_policy: ``"split"``, ``"truncate"`` or ``"drop"`` for sentences longer than the largest bucket.
         batch_size: Sentences per global training batch.
         max_tokens: Tokens (sentences x bucket length) per global batch.
@@ -115,6 +118,7 @@ class LMDataModule(pl.LightningDataModule):
         max_vocab_size: int | None = None,
         buckets: Sequence[int] | str | None = "auto",
         num_auto_buckets: int | None = 5,
+        max_bucket_length: int | str | None = "auto",
         long_sentence_policy: str = "split",
         batch_size: int | None = 32,
         max_tokens: int | None = None,
@@ -130,7 +134,8 @@ class LMDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         check_options(source=source, path=path, train=train, valid=valid, test=test, download=download,
                       synthetic=synthetic, buckets=buckets, long_sentence_policy=long_sentence_policy,
-                      batch_size=batch_size, max_tokens=max_tokens, mode=mode, bptt=bptt)
+                      batch_size=batch_size, max_tokens=max_tokens, mode=mode, bptt=bptt,
+                      max_bucket_length=max_bucket_length)
         self.source = source
         self.path = path
         self.train_path, self.valid_path, self.test_path = train, valid, test
@@ -141,6 +146,7 @@ class LMDataModule(pl.LightningDataModule):
         self.max_vocab_size = max_vocab_size
         self.buckets = list(buckets) if buckets is not None and not isinstance(buckets, str) else buckets
         self.num_auto_buckets = 5 if num_auto_buckets is None else int(num_auto_buckets)
+        self.max_bucket_length = max_bucket_length
         self.long_sentence_policy = long_sentence_policy
         self.batch_size = batch_size
         self.max_tokens = max_tokens
@@ -171,15 +177,22 @@ class LMDataModule(pl.LightningDataModule):
         if self.download and self.path is None:
             download_ptb(ptb_download_dir(self.cache_dir))
 
+    def _files(self) -> tuple[Any, ...]:
+        path = os.fspath(ptb_download_dir(self.cache_dir)) if self.path is None and self.download else self.path
+        return path, self.train_path, self.valid_path, self.test_path
+
     def _load_sentences(self) -> dict[str, list[list[str]]]:
         if self.source == "synthetic":
             self._language, sentences = synthetic_sentences(self.synthetic_options, self.seed)
             return sentences
-        path = self.path
-        if path is None and self.download:
-            path = os.fspath(ptb_download_dir(self.cache_dir))
-        return file_sentences(self.source, path, self.train_path, self.valid_path, self.test_path,
-                              single_file_for_all_splits=self.single_file_for_all_splits)
+        return file_sentences(self.source, *self._files(), single_file_for_all_splits=self.single_file_for_all_splits)
+
+    def longest_sentence(self) -> tuple[int, str]:
+        """The longest training sentence: its length in model tokens (``<eos>`` included) and where it is."""
+        self.setup()
+        files = None if self.source == "synthetic" else self._files()
+        train = self._sentences["train"]  # type: ignore[index]
+        return sources.longest_sentence(train, files, self.single_file_for_all_splits)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -244,7 +257,8 @@ class LMDataModule(pl.LightningDataModule):
         if self._bucket_lengths is None:
             if self.buckets is None or isinstance(self.buckets, str):
                 lengths = [len(s) for s in self._encode("train")]
-                self._bucket_lengths = resolve_buckets(self.buckets, lengths, self.num_auto_buckets)
+                cap = self.max_bucket_length
+                self._bucket_lengths = resolve_buckets(self.buckets, lengths, self.num_auto_buckets, cap)
             else:
                 self._bucket_lengths = resolve_buckets(self.buckets, [], self.num_auto_buckets)
             log.info("bucket lengths: %s", self._bucket_lengths)
@@ -417,10 +431,8 @@ class LMDataModule(pl.LightningDataModule):
         saved = Vocabulary.from_state_dict(state_dict["vocab"])
         difference = vocabulary_difference(saved, self._vocab) if self._vocab is not None else None
         if difference is not None:
-            rank_zero_warn(
-                f"LMDataModule: the checkpoint's vocabulary replaces the one built from the training data "
-                f"(checkpoint vs data: {difference}); the data is encoded with the checkpoint's"
-            )
+            rank_zero_warn(f"LMDataModule: the checkpoint's vocabulary replaces the one built from the training data "
+                           f"(checkpoint vs data: {difference}); the data is encoded with the checkpoint's")
         self._set_vocab(saved)
 
     def stats(self) -> dict[str, Any]:

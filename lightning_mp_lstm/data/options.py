@@ -31,6 +31,7 @@ def check_options(
     synthetic: dict[str, Any] | None,
     buckets: Sequence[int] | str | None,
     long_sentence_policy: str,
+    max_bucket_length: int | str | None = "auto",
     batch_size: int | None,
     max_tokens: int | None,
     mode: str,
@@ -55,6 +56,8 @@ def check_options(
         raise ValueError("give batch_size and/or max_tokens")
     if isinstance(buckets, str) and buckets != "auto":
         raise ValueError(f"buckets must be a list of lengths, 'auto' or None, got {buckets!r}")
+    if max_bucket_length is not None:
+        check_positive_int("max_bucket_length", max_bucket_length, also=("auto",))
     if synthetic and source != "synthetic":
         raise ValueError(f"'synthetic' options given but source is {source!r}")
     files = path or train or valid or test or download

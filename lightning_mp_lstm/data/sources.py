@@ -15,7 +15,7 @@ from typing import Any
 from lightning_mp_lstm.data.corpus import SPLITS, read_sentences, resolve_split_paths
 from lightning_mp_lstm.data.synthetic import DEFAULT_SPLIT_SIZES, SyntheticLanguage
 
-__all__ = ["SOURCES", "file_sentences", "ptb_download_dir", "synthetic_sentences"]
+__all__ = ["SOURCES", "file_sentences", "longest_sentence", "ptb_download_dir", "synthetic_sentences"]
 
 #: Allowed values of ``source``.
 SOURCES: tuple[str, ...] = ("synthetic", "ptb", "wikitext", "text")
@@ -67,3 +67,28 @@ def file_sentences(
     files = resolve_split_paths(path, train, valid, test, single_file_for_all_splits=single_file_for_all_splits)
     fmt = {"ptb": "ptb", "wikitext": "wikitext"}.get(source, "text")
     return {split: read_sentences(files[split], fmt=fmt) for split in SPLITS}
+
+
+def longest_sentence(sentences: list[list[str]], files: tuple[Any, ...] | None,
+                     single_file_for_all_splits: bool = False) -> tuple[int, str]:
+    """The longest of a training split's ``sentences`` (each ending with ``<eos>``): its length and where it is.
+
+    Args:
+        sentences: the training split, as read.
+        files: ``(path, train, valid, test)`` of a file corpus (the training file's line is then named), or ``None``
+            (a synthetic corpus: the sentence's number is).
+        single_file_for_all_splits: as given to :func:`file_sentences`.
+    """
+    if not sentences:
+        return 0, "no sentence"
+    index = max(range(len(sentences)), key=lambda i: len(sentences[i]))
+    if files is None:
+        return len(sentences[index]), f"sentence {index + 1} of the training split"
+    train = resolve_split_paths(*files, single_file_for_all_splits=single_file_for_all_splits)["train"]
+    with open(train, encoding="utf-8") as handle:  # the index-th non-blank line (blank lines hold no sentence)
+        seen = -1
+        for number, line in enumerate(handle, start=1):
+            seen += bool(line.split())
+            if seen == index:
+                return len(sentences[index]), f"line {number} of {train}"
+    return len(sentences[index]), f"sentence {index + 1} of {train}"
