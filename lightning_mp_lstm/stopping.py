@@ -1,5 +1,5 @@
-"""Stopping a run on a signal (a scheduler's ``SIGTERM``, Ctrl-C's ``SIGINT``) at the next step boundary, with a
-checkpoint to resume from.
+"""Stopping a run on a signal (a scheduler's ``SIGTERM``, Ctrl-C's ``SIGINT``) at a step boundary (the next but one),
+with a checkpoint to resume from.
 
 Lightning 2.6 answers ``SIGTERM`` itself (``_SignalConnector._sigterm_notifier_fn``): its handler broadcasts a
 tensor from rank 0 *inside the signal handler*, wherever the main thread is, in the middle of a pipeline transfer
@@ -8,8 +8,9 @@ then raise ``SIGTERMException``, a ``SystemExit`` whose status is 0, without a c
 handler saves a checkpoint (collectives again) inside the handler.
 
 :class:`StopOnSignal` replaces those handlers while a Trainer stage runs. The handler only notes the signal. At the
-end of every training step that stepped the optimizer, every rank learns with one small all-reduce whether any rank
-got a signal; if one did, they save a checkpoint together (:meth:`Trainer.save_checkpoint`, where a
+end of every training step that stepped the optimizer, every rank learns with one small all-reduce, started at the
+previous step's end and read at this one (no rank waits for the others), whether any rank got a signal by then; if
+one did, they save a checkpoint together (:meth:`Trainer.save_checkpoint`, where a
 ``ModelCheckpoint(every_n_train_steps)`` saves: it resumes exactly) and every rank raises :class:`RunStopped`, whose
 ``exit_code`` is ``128 + the signal's number``, as a shell reports a process ended by that signal. Under SLURM with
 ``auto_requeue`` (Lightning's default there) the checkpoint is Lightning's HPC checkpoint, which a requeued job
@@ -107,7 +108,8 @@ def _requeue_signal(trainer: pl.Trainer) -> signal.Signals | None:
 
 
 class StopOnSignal(Callback):
-    """Stop every rank at the next step boundary when any rank receives one of ``signals``; save a checkpoint first.
+    """Stop every rank at the same step boundary (the next but one) when any rank receives one of ``signals``; save a
+    checkpoint first.
 
     Args:
         signals: names from :data:`STOP_SIGNALS` (``train.py``: ``SIGTERM`` and ``SIGINT``). Under SLURM with
@@ -124,6 +126,7 @@ class StopOnSignal(Callback):
         self._is_global_zero = True
         self._requeue_signal: signal.Signals | None = None
         self._last_step = -1
+        self._pending: tuple[Any, torch.Tensor] | None = None  # the agreement started at the last step boundary
 
     # ----- the handler: notes the signal, nothing else ---------------------------------------------------------
     def _install(self, trainer: pl.Trainer) -> None:
@@ -152,13 +155,27 @@ class StopOnSignal(Callback):
             hint = " (Ctrl-C again stops at once, without one)" if signum == signal.SIGINT else ""
             # os.write: a print could re-enter the buffered writer the main thread is in.
             name = signal.Signals(signum).name
-            os.write(2, f"\nmp_lstm: {name} received (pid {os.getpid()}): stopping at the end of this step and saving "
-                        f"a checkpoint{hint}\n".encode())
+            os.write(2, f"\nmp_lstm: {name} received (pid {os.getpid()}): stopping at the end of the next step and "
+                        f"saving a checkpoint{hint}\n".encode())
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
         self._install(trainer)
+        if signal.SIGTERM in self.signals:
+            # Lightning broadcasts its SIGTERM flag from rank 0 at the start of every training batch, a collective
+            # that lines every rank up once a step; with this handler in its place the flag can no longer be set.
+            epoch_loop = trainer.fit_loop.epoch_loop
+            if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+                epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._pending = None  # a failed rank may never join it: nothing to wait for
 
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -166,21 +183,44 @@ class StopOnSignal(Callback):
 
     on_validation_start = on_test_start = on_predict_start = on_sanity_check_start
 
+    def _evaluation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            self._settle()
+
+    on_validation_end = on_test_end = on_predict_end = _evaluation_end
+
     # ----- the step boundary: agree, save, stop ----------------------------------------------------------------
     def _agreed(self, trainer: pl.Trainer) -> bool:
-        """Whether any rank received a signal: one all-reduce (MAX) of two integers over every rank."""
+        """Whether any rank had received a signal at the previous step boundary: one all-reduce (MAX) of two integers
+        over every rank, started at that boundary and read at this one (long done by then), so no rank waits for the
+        others at a step's end; every rank reads the same value, so all stop at the same boundary, one step after."""
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         group = object_group() if distributed else None
         # The object group is gloo (host memory) under mp_lstm; a default nccl group needs the device.
         nccl = distributed and dist.get_backend(group) == "nccl"
         device = trainer.strategy.root_device if nccl else torch.device("cpu")
         code = torch.tensor([int(self.received or 0), int(self.requeue)], device=device)
-        if distributed:
-            dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+        if not distributed:
+            return self._read(code)
+        previous = self._pending
+        self._pending = (dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group, async_op=True), code)
+        if previous is None:
+            return False
+        work, agreed = previous
+        work.wait()
+        return self._read(agreed)
+
+    def _read(self, code: torch.Tensor) -> bool:
         signum, requeue = (int(v) for v in code.tolist())
         if signum:
             self.received, self.requeue = signal.Signals(signum), bool(requeue)
         return bool(signum)
+
+    def _settle(self) -> None:
+        """Wait for an agreement still in flight (a stage ends: its collectives must not outlive it)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -111,7 +111,7 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
         memory_per_process: GiB of memory one process may use (``"auto"``: the GPU's, or the machine's over its
             processes): a run whose largest training batch needs more for its activations is refused before launch.
-        stop_signals: signals that stop every rank at the next step boundary with a checkpoint
+        stop_signals: signals that stop every rank at a step boundary (the next but one) with a checkpoint
             (:class:`~lightning_mp_lstm.stopping.StopOnSignal`, added to the Trainer); ``()``: Lightning's handling.
     """
 

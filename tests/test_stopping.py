@@ -49,7 +49,7 @@ from tests.helpers import (
 DATA = {"source": "synthetic", "batch_size": 8, "num_auto_buckets": 3, "shuffle": True, "seed": 5,
         "synthetic": {"num_train": 96, "num_valid": 16, "num_test": 16, "vocab_size": 40, "max_length": 12}}
 TOTAL = 20  # the whole run, in optimizer steps (an epoch has 13)
-SIGNALLED_AT = 4  # the signal arrives inside the step after this global step: the run stops after step 5
+SIGNALLED_AT = 4  # the signal arrives inside the step after this global step: the run stops after step 6
 LAYOUTS = {"pp2": dict(n_microbatches=2), "dp2_pp2": dict(data_parallel_size=2, n_microbatches=2, schedule="GPipe")}
 #: Who gets the signal, per layout: every rank, or one rank that is not global rank 0.
 SCENARIOS = {"pp2": [("SIGTERM", "every rank"), ("SIGTERM", (1,)), ("SIGINT", "every rank")],
@@ -127,7 +127,8 @@ def test_a_signal_stops_every_rank_at_the_step_boundary_and_the_checkpoint_resum
                                                                                            tmp_path):
     per_rank = run_ranks(_stop_worker, world_size, layout, str(tmp_path), timeout=360)
     reference = _reference(tmp_path)
-    stop = SIGNALLED_AT + 1
+    # Sent inside step SIGNALLED_AT + 1; agreed by the all-reduce started at its end and read at the next boundary.
+    stop = SIGNALLED_AT + 2
     for name, victims in SCENARIOS[layout]:
         runs = [rank[(name, str(victims))] for rank in per_rank]
         sent = [run["stopped"]["sent_at"] for run in runs if run["stopped"]["sent_at"] is not None]
