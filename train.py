@@ -8,8 +8,8 @@ from lightning_mp_lstm.app import metric_value, train
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Train; return the value of ``optimized_metric`` (``val/loss``), which a Hydra sweeper minimizes
-    (``python train.py -m hparams_search=lstm_optuna``)."""
+    """Train; return the value of ``optimized_metric`` when a sweep sets it (``python train.py -m
+    hparams_search=lstm_optuna``: ``val/loss``, which the sweeper minimizes), else ``None``."""
     return metric_value(train(cfg), cfg.get("optimized_metric"))
 
 

@@ -172,8 +172,9 @@ class _LoadedStep(Callback):
 
 
 def metric_value(summary: dict[str, Any], name: str | None) -> float | None:
-    """The value of the metric ``name`` (``optimized_metric``: ``val/loss``) in a :func:`train` summary: what
-    ``train.py`` returns to a Hydra sweeper. ``None`` when ``name`` is empty.
+    """The value of the metric ``name`` in a :func:`train` summary: what ``train.py`` returns to a Hydra sweeper
+    (``optimized_metric``, which only a sweep's config sets: ``hparams_search=lstm_optuna`` asks for ``val/loss``).
+    ``None`` when ``name`` is empty (a plain run).
 
     Raises:
         KeyError: the run logged no metric of that name (the message lists those it logged).
@@ -183,7 +184,8 @@ def metric_value(summary: dict[str, Any], name: str | None) -> float | None:
     metrics = summary.get("metrics", {})
     if name not in metrics:
         raise KeyError(f"optimized_metric={name!r} was not logged by this run; it logged: "
-                       f"{', '.join(sorted(metrics)) or 'nothing'}")
+                       f"{', '.join(sorted(metrics)) or 'nothing'}. A sweep needs every trial to log it (val/... "
+                       "metrics need a validation: evaluate=true, or a validation before the run ends)")
     return metrics[name]
 
 

@@ -89,7 +89,13 @@ def test_the_summary_evaluates_the_best_checkpoint(tmp_path, capsys):
     assert summary["val_loss"] == pytest.approx(float(score), rel=1e-5)
     assert summary["evaluated"] == f"best.ckpt (val/loss {float(score):.4f}, step 2)"
     assert summary["evaluated"] in capsys.readouterr().out
-    assert metric_value(summary, cfg.optimized_metric) == summary["metrics"]["val/loss"] == summary["val_loss"]
+    assert metric_value(summary, "val/loss") == summary["metrics"]["val/loss"] == summary["val_loss"]
+    # A plain run has no optimized_metric (only a sweep's config sets one): train.py returns None, exit status 0.
+    assert cfg.get("optimized_metric") is None and metric_value(summary, cfg.get("optimized_metric")) is None
+    # A sweep asking for a metric the run never logged fails, naming what it did log.
+    with pytest.raises(KeyError, match=r"optimized_metric='val/acc' was not logged by this run; it logged: .*"
+                                       r"test/loss.*val/loss"):
+        metric_value(summary, "val/acc")
     assert summary["metrics"]["test/loss"] == summary["test_loss"]
 
     # The reference: a fresh Trainer tests each checkpoint.
