@@ -393,7 +393,8 @@ class LanguageModelBlocks:
             raise ValueError(
                 f"tensor_parallel_size={size} splits the vocabulary into equal shards, but vocab_size="
                 f"{self.vocab_size} is not a multiple of {size}; use a tensor_parallel_size that divides it "
-                f"({divisors}) or pad the vocabulary to {nearest} words (ids the data never uses)")
+                f"({divisors}) or pad the vocabulary to {nearest} words (LSTMLanguageModel's "
+                "pad_vocab_to_multiple_of; model.pad_vocab_to_multiple_of for train.py)")
         if size > 1 and self._ties:
             raise ValueError(f"tensor_parallel_size={size} does not split tied embedding and decoder weights; untie "
                              "them or use tensor_parallel_size=1")
