@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from lightning_mp_lstm.checkpoint import local_model_state, read_checkpoint
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.layout import LayoutError
-from lightning_mp_lstm.model import perplexity
+from lightning_mp_lstm.model import LSTMLanguageModel, perplexity
 from lightning_mp_lstm.timeline import PipelineTimeline
 
 __all__ = ["BestCheckpoint", "best_checkpoint", "build_model", "build_strategy", "build_trainer", "check_resume",
@@ -223,6 +223,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         datamodule.prepare_data()
         datamodule.setup("fit")
         model = build_model(cfg, strategy, datamodule.vocab_size)
+        _set_example_input(model, datamodule)
         trainer = build_trainer(cfg, strategy, model)
         # Fail here, before any process starts, on what the ranks would otherwise each find after launching: the
         # data module's batch samplers for the strategy's replicas (batch size, token budget, sentences per
@@ -272,6 +273,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         print(format_summary(summary))
     return summary
+
+
+def _set_example_input(model: pl.LightningModule, datamodule: Any) -> None:
+    """One global batch of the data's mean padded length as the model's ``example_input_array``, so that Lightning's
+    model summary counts the forward's FLOPs (and shows every layer's in and out sizes). Only for the library's
+    model, whose forward takes a ``(batch, length)`` tensor of token ids; a model that has one keeps it."""
+    rows, length = getattr(datamodule, "batch_size", None), getattr(datamodule, "mean_padded_length", None)
+    if isinstance(model, LSTMLanguageModel) and model.example_input_array is None and rows and length:
+        model.example_input_array = torch.zeros((int(rows), max(1, round(length))), dtype=torch.long)
 
 
 def _weights(best: BestCheckpoint | None, step: int | None) -> str:

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mp_lstm import checkpoint as ckpt
-from lightning_mp_lstm import report
+from lightning_mp_lstm import report, summary
 from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
 from lightning_mp_lstm.collectives import StrategyCollectives
 from lightning_mp_lstm.contract import PipelineModel
@@ -355,6 +355,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._engine is None or self._engine_module is not module:
+            if trainer.state.fn == TrainerFn.FITTING:
+                summary.install(trainer, module)  # the whole model's summary, before the engine prunes it
             self._engine = self._build_engine(module, trainer)
             self._engine_module = module
         self.precision_plugin.engine = self._engine
