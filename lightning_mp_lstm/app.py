@@ -7,7 +7,6 @@ instantiates the data module, strategy, model, callbacks, logger and trainer fro
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,6 +18,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
+from lightning_mp_lstm import console
 from lightning_mp_lstm.checkpoint import local_model_state, read_checkpoint
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.layout import LayoutError
@@ -161,6 +161,22 @@ def best_checkpoint(trainer: pl.Trainer) -> BestCheckpoint | None:
     return BestCheckpoint(callback.best_model_path, callback.monitor, float(callback.best_model_score))
 
 
+class _TrainingClock(Callback):
+    """Seconds from the start of training to its end on this process: the steps and the validations between them,
+    not starting the processes, planning or the final evaluation."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.seconds: float | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.started is not None:
+            self.seconds = time.perf_counter() - self.started
+
+
 class _LoadedStep(Callback):
     """The global step of the checkpoint a ``validate``/``test`` loaded (for the summary's "evaluated weights")."""
 
@@ -210,12 +226,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     Returns:
         dict with validation/test loss and perplexity and which weights they are from (``evaluated``), the
-        synthetic floor and unigram baseline (when known), training tokens per second, the checkpoint and log
-        directories, and ``metrics``: every scalar metric by name (``val/loss``, ``test/loss``, ...; after
-        evaluating, those of the evaluated weights), from which :func:`metric_value` reads ``optimized_metric``.
+        synthetic floor and unigram baseline (when known), training tokens per second, ``train_seconds`` (from the
+        start of training to its end on global rank 0: steps and validations, not starting the processes) and
+        ``total_seconds`` (this call, start to end), the checkpoint and log directories, and ``metrics``: every
+        scalar metric by name (``val/loss``, ``test/loss``, ...; after evaluating, those of the evaluated weights),
+        from which :func:`metric_value` reads ``optimized_metric``.
     """
-    # Every rank holds the same global loss and metrics, so Lightning's advice to all-reduce them is moot.
-    warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")
+    started = time.perf_counter()
+    console.quiet()  # each message once, from rank 0; no warning the user cannot act on
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     strategy = build_strategy(cfg)
     try:
@@ -234,9 +252,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         strategy.check(model, datamodule)
         if cfg.ckpt_path:
             check_resume(cfg.ckpt_path, model, datamodule)
-        started = time.perf_counter()
+        clock = _TrainingClock()
+        trainer.callbacks.append(clock)
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        fit_seconds = time.perf_counter() - started
+        trainer.callbacks.remove(clock)
         # Before evaluating: loading a checkpoint restores the checkpoint callback's state as it was saved.
         best = best_checkpoint(trainer)
         checkpoint = trainer.checkpoint_callback
@@ -245,7 +264,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             saved = checkpoint.last_model_path or checkpoint.best_model_path
         log_dir = trainer.logger.log_dir if trainer.logger is not None else None
         summary: dict[str, Any] = {
-            "fit_seconds": fit_seconds,
+            "train_seconds": clock.seconds,
             "tokens_per_s": float(trainer.callback_metrics.get("train/tokens_per_s_epoch", float("nan"))),
             "checkpoint": saved or None,
             "logs": log_dir,
@@ -270,6 +289,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             summary["evaluated"] = _weights(best, loaded.global_step)
     finally:
         strategy.shutdown()  # end this job's processes: the next job of a multirun starts its own
+    summary["total_seconds"] = time.perf_counter() - started
     if trainer.is_global_zero:
         print(format_summary(summary))
     return summary
@@ -307,14 +327,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             return "-"
         return f"{value:,.2f}" if isinstance(value, float) else str(value)
 
+    evaluated = summary.get("evaluated")
     rows = [
-        ("validation perplexity", summary.get("val_ppl")),
-        ("test perplexity", summary.get("test_ppl")),
-        ("evaluated weights", summary.get("evaluated")),
-        ("synthetic floor (true model)", summary.get("entropy_floor_ppl")),
+        *([("validation perplexity", summary.get("val_ppl")), ("test perplexity", summary.get("test_ppl")),
+           ("evaluated weights", evaluated)] if evaluated else [("evaluated weights", "none (evaluate=false)")]),
+        # The floor exists for the synthetic language only (its true model is known).
+        *([("synthetic floor (true model)", summary["entropy_floor_ppl"])] if summary.get("entropy_floor_ppl") else []),
         ("unigram baseline", summary.get("unigram_ppl")),
         ("train tokens / s", summary.get("tokens_per_s")),
-        ("fit time (s)", summary.get("fit_seconds")),
+        ("training time (s)", summary.get("train_seconds")),
+        ("total time (s)", summary.get("total_seconds")),
         ("checkpoint", summary.get("checkpoint")),
         ("logs", summary.get("logs")),
         ("timeline (picture, trace)", summary.get("timeline")),

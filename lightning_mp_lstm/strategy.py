@@ -86,8 +86,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         balance_by: what ``"balanced"`` balances: ``"time"`` (forward + backward measured on the devices),
             ``"flops"`` or ``"memory"``.
         stage_speeds: relative speed of each stage's device for balancing (default: all equal).
-        report_after_steps: log the partition report again with measured stage times and step time after this many
-            training batches (``None``: never).
+        report_after_steps: after this many training batches, time every stage and log one line with the measured
+            stage shares and step time (the whole table with them: :attr:`report`; ``None``: never).
         checkpoint_format: ``"file"``: one checkpoint file, gathered on global rank 0 while saving (loads anywhere,
             plain Lightning included); ``"sharded"``: a directory where every rank writes its own tensors with
             ``torch.distributed.checkpoint`` (nothing is gathered; loads on any ``mp_lstm`` layout).

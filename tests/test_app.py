@@ -51,8 +51,9 @@ def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_
     assert [row[:28].strip() for row in table[1:-1]] == [
         "validation perplexity", "test perplexity", "evaluated weights", "synthetic floor (true model)",
         "unigram baseline",
-        "train tokens / s", "fit time (s)", "checkpoint", "logs", "timeline (picture, trace)",
+        "train tokens / s", "training time (s)", "total time (s)", "checkpoint", "logs", "timeline (picture, trace)",
     ]
+    assert 0 < summary["train_seconds"] < summary["total_seconds"]
     # The timeline callback is on by default: its picture and trace sit in the run directory.
     assert table[-2].split()[-2:] == [f"{tmp_path / 'timeline.png'},", str(tmp_path / "timeline.json")]
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "timeline.json").stat().st_size > 0
@@ -135,6 +136,7 @@ def test_train_on_ptb_files(tmp_path, ptb):
     assert Path(summary["checkpoint"]).is_file()  # Lightning's own checkpoint, of the last weights
     # The vocabulary comes from the training file (PTB valid: 6,021 distinct words + <pad>).
     assert summary["entropy_floor_ppl"] is None
+    assert "synthetic floor" not in format_summary(summary)  # a row only where the language's floor is known
     assert 1 < summary["val_ppl"] < 2 * 6100
     assert math.isfinite(summary["test_ppl"])
 
