@@ -5,9 +5,9 @@ warning the project causes that its user could not act on.
 
 - warning filters for what the user cannot change (:data:`QUIET_WARNINGS`);
 - on the console handlers (not the log files): informational records from global rank 0 only, since every rank
-  builds the same data and joins the same group (a rank's warnings and errors still show, marked with its rank by
-  Lightning); each informational message once per process (``validate`` and ``test`` load the same checkpoint);
-  and none of Lightning's advertising tips.
+  builds the same data and joins the same group, and the data's warnings too (a rank's own warnings and errors
+  still show, marked with its rank by Lightning); each message once per process (``validate`` and ``test`` load
+  the same checkpoint and read the same split); and none of Lightning's advertising tips.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import warnings
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-__all__ = ["QUIET_WARNINGS", "OncePerProcess", "RankZeroInfo", "quiet"]
+__all__ = ["QUIET_WARNINGS", "SHARED_LOGGERS", "OncePerProcess", "RankZeroInfo", "quiet"]
 
 #: ``(message pattern, why it says nothing the user can act on)`` of the warnings :func:`quiet` hides.
 QUIET_WARNINGS = (
@@ -34,23 +34,30 @@ QUIET_WARNINGS = (
 _TIPS = ("💡 Tip:",)
 
 
+#: Loggers whose records every rank makes alike (each rank reads the same data): their warnings come from rank 0.
+SHARED_LOGGERS = ("lightning_mp_lstm.data",)
+
+
 class RankZeroInfo(logging.Filter):
-    """Passes informational records only on global rank 0; warnings and errors on every rank."""
+    """Passes informational records only on global rank 0, and warnings of :data:`SHARED_LOGGERS` too (the same on
+    every rank); a rank's own warnings and every error on every rank."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or getattr(rank_zero_only, "rank", 0) == 0
+        if getattr(rank_zero_only, "rank", 0) == 0 or record.levelno >= logging.ERROR:
+            return True
+        return record.levelno >= logging.WARNING and not record.name.startswith(SHARED_LOGGERS)
 
 
 class OncePerProcess(logging.Filter):
-    """Passes an informational message only the first time this process logs it (warnings always); drops
-    Lightning's tips."""
+    """Passes a message below ERROR only the first time this process logs it (the test split is read again for
+    ``test`` after ``validate``); drops Lightning's tips."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING:
+        if record.levelno >= logging.ERROR:
             return True
         message = record.getMessage()
         if message.startswith(_TIPS) or message in self.seen:

@@ -14,21 +14,26 @@ from lightning_mp_lstm.layout import ParallelLayout
 from lightning_mp_lstm.plan import PipelinePlan
 
 
-def _record(message: str, level: int = logging.INFO) -> logging.LogRecord:
-    return logging.LogRecord("lightning_mp_lstm.data", level, __file__, 1, message, None, None)
+def _record(message: str, level: int = logging.INFO, name: str = "lightning_mp_lstm.data") -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, message, None, None)
 
 
 def test_informational_lines_come_from_rank_zero_once_and_without_tips(monkeypatch):
     keep, once = console.RankZeroInfo(), console.OncePerProcess()
     monkeypatch.setattr(rank_zero_only, "rank", 1, raising=False)
-    assert not keep.filter(_record("corpus synthetic: train=80000")) and keep.filter(_record("bad", logging.WARNING))
+    assert not keep.filter(_record("corpus synthetic: train=80000"))
+    # The data's warnings are every rank's alike: rank 0 says them; a rank's own warnings and errors pass.
+    assert not keep.filter(_record("4 of 3370 sentences are longer than the largest bucket", logging.WARNING))
+    assert keep.filter(_record("lost rank 0", logging.WARNING, name="lightning_mp_lstm.faults"))
+    assert keep.filter(_record("bad data", logging.ERROR))
     monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)
     assert keep.filter(_record("corpus synthetic: train=80000"))
     lines = ["Restoring states from best.ckpt", "Restoring states from best.ckpt", "💡 Tip: try installing x",
              "Loaded model weights"]
     assert [once.filter(_record(line)) for line in lines] == [True, False, False, True]
-    assert once.filter(_record("same warning", logging.WARNING)) and once.filter(_record("same warning",
-                                                                                        logging.WARNING))
+    assert once.filter(_record("same warning", logging.WARNING)) and not once.filter(_record("same warning",
+                                                                                            logging.WARNING))
+    assert once.filter(_record("an error", logging.ERROR)) and once.filter(_record("an error", logging.ERROR))
 
 
 def test_quiet_filters_the_warnings_a_user_cannot_act_on_and_keeps_the_others():

@@ -298,6 +298,17 @@ def _tables(output: str) -> list[dict[str, str]]:
     return tables
 
 
+def _check_quiet(output: str) -> None:
+    """No Python warning (``file.py:N: ...`` or ``...Warning:``), no Lightning tip, and each logged warning once:
+    what remains is what the user can act on, said once."""
+    assert "💡" not in output, output[-3000:]
+    lines = output.splitlines()
+    shown = [line for line in lines if re.match(r"^\S+\.py:\d+: ", line) or re.search(r"\w+Warning:", line)]
+    assert shown == [], shown
+    logged = [re.sub(r"^\[[^]]*\]", "", line) for line in lines if "][WARNING] - " in line]
+    assert len(logged) == len(set(logged)), logged
+
+
 def _check_promised_output(command: Command, output: str) -> None:
     """What the pages promise a command prints."""
     args = set(command.args)
@@ -317,7 +328,7 @@ def _check_promised_output(command: Command, output: str) -> None:
             else:
                 assert float(table["test perplexity"].replace(",", "")) > 1, table
             assert float(table["train tokens / s"].replace(",", "")) > 0, table
-        assert "💡" not in output and not re.search(r"warn", output, re.IGNORECASE), output[-3000:]
+        _check_quiet(output)
     else:
         assert re.search(r"^final loss: \S+$", output, re.MULTILINE), output[-2000:]
 
