@@ -44,6 +44,8 @@ def test_quiet_filters_the_warnings_a_user_cannot_act_on_and_keeps_the_others():
         warnings.warn("It is recommended to use `self.log('val/loss', ..., sync_dist=True)`", UserWarning)
         warnings.warn("`ModelCheckpoint(monitor='val/loss')` could not find the monitored key in the returned "
                       "metrics: ['train/loss']", UserWarning)
+        warnings.warn("The dirpath has changed from 'a/checkpoints' to 'b/checkpoints', therefore `best_model_score`, "
+                      "`kth_best_model_path`, ... won't be reloaded.", UserWarning)
         warnings.warn("something the user should see", UserWarning)
     assert [str(w.message) for w in caught] == ["something the user should see"]
     handler = logging.StreamHandler()
