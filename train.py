@@ -8,9 +8,9 @@ from lightning_mp_lstm.app import exit_when_stopped, metric_value, train
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Train; return the value of ``optimized_metric`` (``val/loss``), which a Hydra sweeper minimizes
-    (``python train.py -m hparams_search=lstm_optuna``). A run stopped by ``SIGTERM`` or Ctrl-C saves a checkpoint,
-    prints how to resume and exits with 128 + the signal's number."""
+    """Train; return the value of ``optimized_metric`` when a sweep sets it (``python train.py -m
+    hparams_search=lstm_optuna``: ``val/loss``, which the sweeper minimizes), else ``None``. A run stopped by
+    ``SIGTERM`` or Ctrl-C saves a checkpoint, prints how to resume and exits with 128 + the signal's number."""
     with exit_when_stopped():
         return metric_value(train(cfg), cfg.get("optimized_metric"))
 

@@ -1,5 +1,7 @@
 """Strategy overhead: MPLSTMStrategy inside Trainer.fit vs a bare torch.distributed.pipelining loop.
 
+The bare loop is ``benchmarks/overhead.py``'s.
+
 Same model, batch, partition and schedule on 2 CPU ranks (one thread each). Prints steps/s of both and
 their ratio: medians over the timed steps after warm-up, two alternating rounds of each.
 
@@ -16,108 +18,18 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.pipelining import PipelineStage  # noqa: E402
-from torch.distributed.pipelining.schedules import get_schedule_class  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
-from lightning_mp_lstm.declaration import pipeline_model  # noqa: E402
-from lightning_mp_lstm.model import token_loss_sum  # noqa: E402
-from lightning_mp_lstm.partition import even_partition  # noqa: E402
+from benchmarks.overhead import Setup, bare_loop, batches, model_of  # noqa: E402
+from lightning_mp_lstm import MPLSTMStrategy  # noqa: E402
 from lightning_mp_lstm.testing import run_ranks  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Setup:
-    """The model, batch and pipeline both runs share (defaults: the numbers in docs/benchmarks.md).
-
-    The model's fields are ``LSTMLanguageModel``'s keyword arguments, as in ``benchmarks/sizes.py``.
-    """
-
-    vocab_size: int = 2000
-    embedding_dim: int = 256
-    hidden_size: int = 256
-    num_layers: int = 4
-    rows: int = 64
-    length: int = 35
-    microbatches: int = 8
-    schedule: str = "1F1B"
-
-
-def _model(setup: Setup) -> LSTMLanguageModel:
-    torch.manual_seed(0)
-    return LSTMLanguageModel(setup.vocab_size, setup.embedding_dim, setup.hidden_size, setup.num_layers,
-                             optimizer="sgd", lr=0.1)
-
-
-def _batches(n: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(1, setup.vocab_size, (setup.rows, setup.length + 1), generator=g) for _ in range(n)]
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: gloo sends no views, and the gradient of a
-    batch-first LSTM's input is a transposed one."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-class _Contiguous(nn.Module):
-    """A stage whose output and input gradient are contiguous: the boundary handling the library's stages do too."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_floating_point() and x.requires_grad:
-            x = _ContiguousGrad.apply(x)
-        return self.inner(x).contiguous()
-
-
-def _bare_loop(rank: int, steps: int, setup: Setup) -> list[float]:
-    """The reference: PipelineStage + schedule + optimizer, nothing else."""
-    model = _model(setup)
-    blocks = pipeline_model(model)  # the model's blocks, as the strategy splits them
-    stages = even_partition(blocks.block_names, 2)
-    blocks.keep_blocks(stages[rank])
-    stage_module = nn.Sequential(*[module for _, module in blocks.blocks()])
-
-    stage = PipelineStage(_Contiguous(stage_module), rank, 2, torch.device("cpu"))
-    divisor = torch.tensor(float(setup.rows * setup.length))
-    schedule = get_schedule_class(setup.schedule)(
-        stage, setup.microbatches, loss_fn=lambda out, y: token_loss_sum(out, y) / divisor, scale_grads=False
-    )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    starts = []
-    for inputs, targets in _batches(steps + 1, setup):
-        starts.append(time.perf_counter())
-        optimizer.zero_grad()
-        if rank == 0:
-            schedule.step(inputs)
-        else:
-            losses: list[torch.Tensor] = []
-            schedule.step(target=targets, losses=losses, return_outputs=False)
-        optimizer.step()
-    # Same measure as for the Trainer: the interval between the starts of consecutive steps.
-    return [b - a for a, b in zip(starts, starts[1:])]
 
 
 class _StepTimer(pl.Callback):
@@ -137,7 +49,7 @@ def _strategy_fit(rank: int, steps: int, setup: Setup) -> list[float]:
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, gradient_clip_val=None,
         callbacks=[timer],
     )
-    trainer.fit(_model(setup), train_dataloaders=DataLoader(_batches(steps + 1, setup), batch_size=None))
+    trainer.fit(model_of(setup), train_dataloaders=DataLoader(batches(steps + 1, setup), batch_size=None))
     return [b - a for a, b in zip(timer.starts, timer.starts[1:])]
 
 
@@ -150,7 +62,7 @@ def compare(rank: int, steps: int, warmup: int, setup: Setup = Setup(), rounds: 
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     out: dict[str, list[float]] = {"bare": [], "strategy": []}
     for _ in range(rounds):  # alternate to spread any drift of the machine over both
-        out["bare"] += _bare_loop(rank, steps, setup)[warmup:]
+        out["bare"] += bare_loop(rank, steps, setup)[warmup:]
         dist.barrier()
         out["strategy"] += _strategy_fit(rank, steps, setup)[warmup:]
         dist.barrier()

@@ -21,11 +21,12 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
+    "sphinx_copybutton",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build", "examples", "Thumbs.db", ".DS_Store", "awd_lstm_ptb_results.md"]
+exclude_patterns = ["_build", "examples", "records", "Thumbs.db", ".DS_Store", "awd_lstm_ptb_results.md"]
 
 # MyST: ``{directive}`` fences, anchors for "page.md#section" links, $...$ left alone.
 myst_enable_extensions = ["colon_fence", "deflist"]
@@ -42,6 +43,16 @@ autodoc_typehints = "signature"
 autodoc_inherit_docstrings = False
 autodoc_default_options = {"members": True, "show-inheritance": True}
 
-html_theme = "alabaster"  # ships with Sphinx: no download
+# PyTorch's documentation theme: a wide, responsive layout (tables and code blocks get the page's width, the
+# sidebars fold away on narrow screens), and a search box.
+html_theme = "pydata_sphinx_theme"
 html_title = "lightning-mp-lstm"
 html_static_path: list[str] = []
+html_theme_options = {
+    "navigation_with_keys": False,
+    "show_toc_level": 2,
+    "secondary_sidebar_items": ["page-toc"],
+}
+# The copy button leaves out a console prompt and the output lines after it.
+copybutton_prompt_text = r"\$ "
+copybutton_prompt_is_regexp = True

@@ -10,7 +10,6 @@ import re
 import shlex
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,11 +24,12 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
+from lightning_mp_lstm import console
 from lightning_mp_lstm.checkpoint import local_model_state, read_checkpoint
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.launcher import hydra_quote
 from lightning_mp_lstm.layout import LayoutError
-from lightning_mp_lstm.model import perplexity
+from lightning_mp_lstm.model import LSTMLanguageModel, perplexity
 from lightning_mp_lstm.option_types import check_option_types
 from lightning_mp_lstm.run_name import register_resolver
 from lightning_mp_lstm.stopping import RunStopped
@@ -175,6 +175,22 @@ def best_checkpoint(trainer: pl.Trainer) -> BestCheckpoint | None:
     return BestCheckpoint(callback.best_model_path, callback.monitor, float(callback.best_model_score))
 
 
+class _TrainingClock(Callback):
+    """Seconds from the start of training to its end on this process: the steps and the validations between them,
+    not starting the processes, planning or the final evaluation."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.seconds: float | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.started is not None:
+            self.seconds = time.perf_counter() - self.started
+
+
 class _LoadedStep(Callback):
     """The global step of the checkpoint a ``validate``/``test`` loaded (for the summary's "evaluated weights")."""
 
@@ -186,8 +202,9 @@ class _LoadedStep(Callback):
 
 
 def metric_value(summary: dict[str, Any], name: str | None) -> float | None:
-    """The value of the metric ``name`` (``optimized_metric``: ``val/loss``) in a :func:`train` summary: what
-    ``train.py`` returns to a Hydra sweeper. ``None`` when ``name`` is empty.
+    """The value of the metric ``name`` in a :func:`train` summary: what ``train.py`` returns to a Hydra sweeper
+    (``optimized_metric``, which only a sweep's config sets: ``hparams_search=lstm_optuna`` asks for ``val/loss``).
+    ``None`` when ``name`` is empty (a plain run).
 
     Raises:
         KeyError: the run logged no metric of that name (the message lists those it logged).
@@ -197,7 +214,8 @@ def metric_value(summary: dict[str, Any], name: str | None) -> float | None:
     metrics = summary.get("metrics", {})
     if name not in metrics:
         raise KeyError(f"optimized_metric={name!r} was not logged by this run; it logged: "
-                       f"{', '.join(sorted(metrics)) or 'nothing'}")
+                       f"{', '.join(sorted(metrics)) or 'nothing'}. A sweep needs every trial to log it (val/... "
+                       "metrics need a validation: evaluate=true, or a validation before the run ends)")
     return metrics[name]
 
 
@@ -222,12 +240,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     Returns:
         dict with validation/test loss and perplexity and which weights they are from (``evaluated``), the
-        synthetic floor and unigram baseline (when known), training tokens per second, the checkpoint and log
-        directories, and ``metrics``: every scalar metric by name (``val/loss``, ``test/loss``, ...; after
-        evaluating, those of the evaluated weights), from which :func:`metric_value` reads ``optimized_metric``.
+        synthetic floor and unigram baseline (when known), training tokens per second, ``train_seconds`` (from the
+        start of training to its end on global rank 0: steps and validations, not starting the processes) and
+        ``total_seconds`` (this call, start to end), the checkpoint and log directories, and ``metrics``: every
+        scalar metric by name (``val/loss``, ``test/loss``, ...; after evaluating, those of the evaluated weights),
+        from which :func:`metric_value` reads ``optimized_metric``.
     """
-    # Every rank holds the same global loss and metrics, so Lightning's advice to all-reduce them is moot.
-    warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")
+    started = time.perf_counter()
+    console.quiet()  # each message once, from rank 0; no warning the user cannot act on
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     strategy = build_strategy(cfg)
     try:
@@ -235,6 +255,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         datamodule.prepare_data()
         datamodule.setup("fit")
         model = build_model(cfg, strategy, datamodule.vocab_size)
+        _set_example_input(model, datamodule)
         trainer = build_trainer(cfg, strategy, model)
         # Fail here, before any process starts, on what the ranks would otherwise each find after launching: the
         # data module's batch samplers for the strategy's replicas (batch size, token budget, sentences per
@@ -245,9 +266,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         strategy.check(model, datamodule)
         if cfg.ckpt_path:
             check_resume(cfg.ckpt_path, model, datamodule)
-        started = time.perf_counter()
+        clock = _TrainingClock()
+        trainer.callbacks.append(clock)
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        fit_seconds = time.perf_counter() - started
+        trainer.callbacks.remove(clock)
         # Before evaluating: loading a checkpoint restores the checkpoint callback's state as it was saved.
         best = best_checkpoint(trainer)
         checkpoint = trainer.checkpoint_callback
@@ -256,7 +278,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             saved = checkpoint.last_model_path or checkpoint.best_model_path
         log_dir = trainer.logger.log_dir if trainer.logger is not None else None
         summary: dict[str, Any] = {
-            "fit_seconds": fit_seconds,
+            "train_seconds": clock.seconds,
             "tokens_per_s": float(trainer.callback_metrics.get("train/tokens_per_s_epoch", float("nan"))),
             "checkpoint": saved or None,
             "logs": log_dir,
@@ -281,9 +303,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             summary["evaluated"] = _weights(best, loaded.global_step)
     finally:
         strategy.shutdown()  # end this job's processes: the next job of a multirun starts its own
+    summary["total_seconds"] = time.perf_counter() - started
     if trainer.is_global_zero:
         print(format_summary(summary))
     return summary
+
+
+def _set_example_input(model: pl.LightningModule, datamodule: Any) -> None:
+    """One global batch of the data's mean padded length as the model's ``example_input_array``, so that Lightning's
+    model summary counts the forward's FLOPs (and shows every layer's in and out sizes). Only for the library's
+    model, whose forward takes a ``(batch, length)`` tensor of token ids; a model that has one keeps it."""
+    rows, length = getattr(datamodule, "batch_size", None), getattr(datamodule, "mean_padded_length", None)
+    if isinstance(model, LSTMLanguageModel) and model.example_input_array is None and rows and length:
+        model.example_input_array = torch.zeros((int(rows), max(1, round(length))), dtype=torch.long)
 
 
 def _weights(best: BestCheckpoint | None, step: int | None) -> str:
@@ -309,14 +341,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             return "-"
         return f"{value:,.2f}" if isinstance(value, float) else str(value)
 
+    evaluated = summary.get("evaluated")
     rows = [
-        ("validation perplexity", summary.get("val_ppl")),
-        ("test perplexity", summary.get("test_ppl")),
-        ("evaluated weights", summary.get("evaluated")),
-        ("synthetic floor (true model)", summary.get("entropy_floor_ppl")),
+        *([("validation perplexity", summary.get("val_ppl")), ("test perplexity", summary.get("test_ppl")),
+           ("evaluated weights", evaluated)] if evaluated else [("evaluated weights", "none (evaluate=false)")]),
+        # The floor exists for the synthetic language only (its true model is known).
+        *([("synthetic floor (true model)", summary["entropy_floor_ppl"])] if summary.get("entropy_floor_ppl") else []),
         ("unigram baseline", summary.get("unigram_ppl")),
         ("train tokens / s", summary.get("tokens_per_s")),
-        ("fit time (s)", summary.get("fit_seconds")),
+        ("training time (s)", summary.get("train_seconds")),
+        ("total time (s)", summary.get("total_seconds")),
         ("checkpoint", summary.get("checkpoint")),
         ("logs", summary.get("logs")),
         ("timeline (picture, trace)", summary.get("timeline")),

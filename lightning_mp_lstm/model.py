@@ -24,6 +24,7 @@ from lightning_mp_lstm.language_model import prediction_from_logits
 from lightning_mp_lstm.metrics import LanguageModelMetrics, perplexity
 from lightning_mp_lstm.objective import token_cross_entropy
 from lightning_mp_lstm.validation import check_positive_int
+from lightning_mp_lstm.vocab_padding import PaddedDecoder, padded_vocab_size
 
 __all__ = ["OPTIMIZERS", "LSTMLanguageModel", "block_names", "perplexity", "prediction_from_logits",
            "token_loss_sum"]
@@ -65,6 +66,11 @@ class LSTMLanguageModel(pl.LightningModule):
         carry_state: truncated backpropagation through time over a token stream (``LMDataModule(mode="stream")``):
             every LSTM layer starts a batch from the ``(h, c)`` its rows ended the previous batch with (detached);
             reset at the start of every training epoch and evaluation, kept apart for training and evaluation.
+        pad_vocab_to_multiple_of: give the embedding and decoder a multiple of this many rows (Megatron's
+            ``make_vocab_size_divisible_by``), so that ``tensor_parallel_size`` can split them evenly. The padding
+            ids get a logit of ``-inf`` (:class:`~lightning_mp_lstm.vocab_padding.PaddedDecoder`): never predicted,
+            never sampled, no probability taken from the real words, so losses and perplexities are the unpadded
+            model's. ``vocab_size`` stays the real vocabulary's size.
     """
 
     def __init__(
@@ -83,10 +89,12 @@ class LSTMLanguageModel(pl.LightningModule):
         scheduler: Callable[..., Any] | None = None,
         init_range: float | None = 0.1,
         carry_state: bool = False,
+        pad_vocab_to_multiple_of: int = 1,
     ) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("embedding_dim", embedding_dim),
-                            ("hidden_size", hidden_size), ("num_layers", num_layers)):
+                            ("hidden_size", hidden_size), ("num_layers", num_layers),
+                            ("pad_vocab_to_multiple_of", pad_vocab_to_multiple_of)):
             check_positive_int(name, value)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
@@ -108,11 +116,13 @@ class LSTMLanguageModel(pl.LightningModule):
         # so seeding before construction fixes the model).
         self._init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
         with torch.random.fork_rng(devices=[]):  # torch's default initialization, overwritten below: no global draw
-            self.embedding = nn.Embedding(vocab_size, embedding_dim)
+            rows = padded_vocab_size(vocab_size, pad_vocab_to_multiple_of)
+            self.embedding = nn.Embedding(rows, embedding_dim)
             self.lstm = nn.ModuleList(nn.LSTM(embedding_dim if i == 0 else hidden_size, hidden_size, batch_first=True)
                                       for i in range(num_layers))
             self.dropout = nn.Dropout(dropout)
-            self.decoder = nn.Linear(hidden_size, vocab_size)
+            self.decoder = (PaddedDecoder(hidden_size, rows, words=vocab_size) if rows > vocab_size
+                            else nn.Linear(hidden_size, vocab_size))
         if not self.embedding.weight.is_meta:  # built on the meta device: the strategy materializes the blocks
             for name, module in zip(block_names(num_layers), [self.embedding, *self.lstm, self.decoder], strict=True):
                 self._init_block(name, module)

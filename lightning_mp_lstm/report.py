@@ -18,7 +18,7 @@ from lightning_mp_lstm.faults import gather
 from lightning_mp_lstm.partition import even_partition, stage_totals
 from lightning_mp_lstm.plan import ChunkCost, PipelinePlan
 
-__all__ = ["Measurements", "measure", "render", "stage_summary"]
+__all__ = ["Measurements", "cost_text", "measure", "measured_line", "render", "stage_summary", "step_times"]
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,9 @@ def render(plan: PipelinePlan, measurements: Measurements | None = None) -> str:
     names = [name for name, _ in plan.block_costs]
     even = " | ".join(_compact(stage) for stage in even_partition(names, len(plan.partition)))
     lines = [fmt(header).rstrip(), "  ".join("-" * w for w in widths), *(fmt(r).rstrip() for r in rows)]
-    lines.append(f"bottleneck cost: {bottleneck:.6g} (even split: {even_bottleneck:.6g}; {even})")
+    unit = f"per microbatch of {plan.microbatch_rows} x {plan.length}" if plan.cost_kind != "memory" else "per rank"
+    lines.append(f"bottleneck stage: {cost_text(bottleneck, plan.cost_kind)} {unit} (even split: "
+                 f"{cost_text(even_bottleneck, plan.cost_kind)}; {even})")
     ratio = bottleneck / even_bottleneck if even_bottleneck else 1.0
     lines.append(f"predicted step-time ratio vs even split: {ratio:.3f}")
     predicted = dict(plan.predictions).get(plan.n_microbatches) if plan.predictions else None
@@ -165,9 +167,39 @@ def render(plan: PipelinePlan, measurements: Measurements | None = None) -> str:
         lines.append(f"n_microbatches=auto chose {plan.n_microbatches} (predicted step: {options})")
     step = measurements.step_seconds if measurements is not None else None
     if predicted is not None or step is not None:
-        shown = ["-" if v is None else f"{v * 1e3:.1f} ms" for v in (predicted, step)]
-        lines.append(f"step time with m={plan.n_microbatches}: predicted {shown[0]}, measured {shown[1]}")
+        lines.append(f"step time with m={plan.n_microbatches}: {step_times(predicted, step)}")
     return "\n".join(lines)
+
+
+def cost_text(value: float, kind: str) -> str:
+    """A stage cost with its unit: ``"time"`` seconds (forward + backward) as ms, ``"flops"`` as GFLOP (analytic,
+    forward + backward), ``"memory"`` bytes as MiB."""
+    if kind == "time":
+        return f"{value * 1e3:.3g} ms"
+    if kind == "flops":
+        return f"{value / 1e9:.3g} GFLOP"
+    return f"{value / 2**20:.3g} MiB"
+
+
+def step_times(predicted: float | None, measured: float | None) -> str:
+    """``"predicted 12.3 ms, measured 14.0 ms"``, leaving out what is not known."""
+    known = [f"{name} {value * 1e3:.1f} ms" for name, value in (("predicted", predicted), ("measured", measured))
+             if value is not None]
+    return ", ".join(known)
+
+
+def measured_line(plan: PipelinePlan, measurements: Measurements, after_steps: int | None) -> str:
+    """One line with what was measured after ``after_steps`` training batches, beside the plan (the whole table
+    with both is :func:`render`, ``MPLSTMStrategy.report``)."""
+    parts = []
+    if measurements.stage_seconds:
+        measured = " / ".join(f"{100 * v:.1f}" for v in _shares(measurements.stage_seconds))
+        planned = " / ".join(f"{100 * v:.1f}" for v in _shares(stage_summary(plan)["costs"]))
+        parts.append(f"stage time shares {measured} % (planned by {plan.cost_kind}: {planned} %)")
+    predicted = dict(plan.predictions).get(plan.n_microbatches) if plan.predictions else None
+    if predicted is not None or measurements.step_seconds is not None:
+        parts.append(f"step with m={plan.n_microbatches}: {step_times(predicted, measurements.step_seconds)}")
+    return f"mp_lstm measured after {after_steps} steps: {'; '.join(parts)} (table: trainer.strategy.report)"
 
 
 def axes(plan: PipelinePlan) -> list[str]:

@@ -82,7 +82,7 @@ class PipelineSteps:
         if self._step_clock.tick():  # time every stage on its own process at this batch's shape; report on rank 0
             with self.precision_plugin.forward_context():
                 self._measurements = report.measure(self.engine, batch, self.root_device, self._step_clock.intervals)
-            rank_zero_info(f"mp_lstm partition after {self._step_clock.after_steps} steps:\n{self.report}")
+            rank_zero_info(report.measured_line(self.plan, self._measurements, self._step_clock.after_steps))
 
     def _run_verification(self, batch: Any) -> None:
         from lightning_mp_lstm.verify import STEPS, VerificationError  # only for verify=True (and `python -m` it)

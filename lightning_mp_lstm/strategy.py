@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mp_lstm import checkpoint as ckpt
-from lightning_mp_lstm import report
+from lightning_mp_lstm import report, summary
 from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
 from lightning_mp_lstm.collectives import StrategyCollectives
 from lightning_mp_lstm.contract import PipelineModel
@@ -95,8 +95,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
         balance_by: what ``"balanced"`` balances: ``"time"`` (forward + backward measured on the devices),
             ``"flops"`` or ``"memory"``.
         stage_speeds: relative speed of each stage's device for balancing (default: all equal).
-        report_after_steps: log the partition report again with measured stage times and step time after this many
-            training batches (``None``: never).
+        report_after_steps: after this many training batches, time every stage and log one line with the measured
+            stage shares and step time (the whole table with them: :attr:`report`; ``None``: never).
         checkpoint_format: ``"file"``: one checkpoint file, gathered on global rank 0 while saving (loads anywhere,
             plain Lightning included); ``"sharded"``: a directory where every rank writes its own tensors with
             ``torch.distributed.checkpoint`` (nothing is gathered; loads on any ``mp_lstm`` layout).
@@ -384,6 +384,8 @@ class MPLSTMStrategy(PipelineSteps, CheckpointHooks, StrategyCollectives, Parall
             trainer.callbacks.append(StopOnSignal(self._stop_signals))
         module = self.lightning_module
         if self._engine is None or self._engine_module is not module:
+            if trainer.state.fn == TrainerFn.FITTING:
+                summary.install(trainer, module)  # the whole model's summary, before the engine prunes it
             self._engine = self._build_engine(module, trainer)
             self._engine_module = module
         self.precision_plugin.engine = self._engine

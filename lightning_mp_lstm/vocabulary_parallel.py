@@ -33,7 +33,8 @@ class VocabularyParallel:
             raise ValueError(
                 f"tensor_parallel_size={size} splits the vocabulary into equal shards, but vocab_size="
                 f"{self.vocab_size} is not a multiple of {size}; use a tensor_parallel_size that divides it "
-                f"({divisors}) or pad the vocabulary to {nearest} words (ids the data never uses)")
+                f"({divisors}) or pad the vocabulary to {nearest} words (LSTMLanguageModel's "
+                "pad_vocab_to_multiple_of; model.pad_vocab_to_multiple_of for train.py)")
         hooks = sorted(set(self._hooks) & {"embed", "loss"})
         if size > 1 and hooks:
             raise ValueError(f"tensor_parallel_size={size} splits the embedding and the decoder's logits, which the "

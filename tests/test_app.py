@@ -51,8 +51,9 @@ def test_one_process_run_builds_on_meta_materializes_every_block_and_prints_the_
     assert [row[:28].strip() for row in table[1:-1]] == [
         "validation perplexity", "test perplexity", "evaluated weights", "synthetic floor (true model)",
         "unigram baseline",
-        "train tokens / s", "fit time (s)", "checkpoint", "logs", "timeline (picture, trace)",
+        "train tokens / s", "training time (s)", "total time (s)", "checkpoint", "logs", "timeline (picture, trace)",
     ]
+    assert 0 < summary["train_seconds"] < summary["total_seconds"]
     # The timeline callback is on by default: its picture and trace sit in the run directory.
     assert table[-2].split()[-2:] == [f"{tmp_path / 'timeline.png'},", str(tmp_path / "timeline.json")]
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "timeline.json").stat().st_size > 0
@@ -89,7 +90,13 @@ def test_the_summary_evaluates_the_best_checkpoint(tmp_path, capsys):
     assert summary["val_loss"] == pytest.approx(float(score), rel=1e-5)
     assert summary["evaluated"] == f"best.ckpt (val/loss {float(score):.4f}, step 2)"
     assert summary["evaluated"] in capsys.readouterr().out
-    assert metric_value(summary, cfg.optimized_metric) == summary["metrics"]["val/loss"] == summary["val_loss"]
+    assert metric_value(summary, "val/loss") == summary["metrics"]["val/loss"] == summary["val_loss"]
+    # A plain run has no optimized_metric (only a sweep's config sets one): train.py returns None, exit status 0.
+    assert cfg.get("optimized_metric") is None and metric_value(summary, cfg.get("optimized_metric")) is None
+    # A sweep asking for a metric the run never logged fails, naming what it did log.
+    with pytest.raises(KeyError, match=r"optimized_metric='val/acc' was not logged by this run; it logged: .*"
+                                       r"test/loss.*val/loss"):
+        metric_value(summary, "val/acc")
     assert summary["metrics"]["test/loss"] == summary["test_loss"]
 
     # The reference: a fresh Trainer tests each checkpoint.
@@ -129,6 +136,7 @@ def test_train_on_ptb_files(tmp_path, ptb):
     assert Path(summary["checkpoint"]).is_file()  # Lightning's own checkpoint, of the last weights
     # The vocabulary comes from the training file (PTB valid: 6,021 distinct words + <pad>).
     assert summary["entropy_floor_ppl"] is None
+    assert "synthetic floor" not in format_summary(summary)  # a row only where the language's floor is known
     assert 1 < summary["val_ppl"] < 2 * 6100
     assert math.isfinite(summary["test_ppl"])
 

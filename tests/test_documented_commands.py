@@ -1,12 +1,19 @@
-"""Every command the README and the docs quote still works: a renamed config group, option or script flag can never
-again break a documented command unnoticed.
+"""Every command the README and the docs quote works as written: a renamed config group, option or script flag, or a
+run that fails at its end, can never again break a documented command unnoticed.
 
-Every ``python train.py ...`` / ``torchrun ... train.py ...`` line of a shell block is composed with Hydra (each job
-of a ``-m`` sweep on its own) and resolved as ``train()`` resolves it before launching anything: strategy, meta-built
-model, processes, Trainer and the strategy's pre-launch checks. ``python generate.py ...`` lines compose
-``conf/generate.yaml``; ``python benchmarks/<script>.py ...`` lines must name a script whose ``--help`` lists every
-flag they use. The design card's commands (``python train.py partition=balanced4`` and ``balanced2``) also run, with
-a few steps.
+Three levels:
+
+- every ``python train.py ...`` / ``torchrun ... train.py ...`` line of a shell block is composed with Hydra (each
+  job of a ``-m`` sweep on its own) and resolved as ``train()`` resolves it before launching anything (strategy,
+  meta-built model on the synthetic language's 1,003 words, processes, Trainer and the strategy's checks);
+  ``python generate.py ...`` lines compose ``conf/generate.yaml``; ``python benchmarks/<script>.py ...`` lines name
+  a script whose ``--help`` lists every flag they use; the generated parts of the pages are up to date;
+- the commands the first ten minutes of a new user are made of run for real, as written (a short variant adds only
+  step limits; the run directory goes under the test's ``tmp_path``), and their output says what the pages promise:
+  :data:`RUN_IN_THE_SUITE`;
+- ``python -m pytest -m all_commands tests/test_documented_commands.py`` runs *every* documented command for real
+  the same way (about 40 minutes on 2 cores, so not part of the default suite; :data:`NOT_RUN` lists the few that
+  cannot run on one CPU machine without a network, and why).
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from lightning_mp_lstm.app import build_model, build_strategy, build_trainer
-from tests.helpers import ROOT, SMALL_SYNTHETIC, TINY_RUN, run_command
+from tests.helpers import ROOT, run_command
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-VOCAB = 50
+#: The synthetic language's vocabulary (the default data): 1,003 words, not a multiple of 2 unless padded.
+VOCAB = 1003
 #: Words that make a quoted line a syntax template rather than a command.
 TEMPLATE_WORDS = ("...", "group=option", "key=value")
 #: Hydra's own flags (and how many values follow them), which are not overrides.
@@ -44,6 +52,7 @@ class Command:
     where: str
     script: str
     args: tuple[str, ...]
+    launcher: tuple[str, ...] = ("python",)
 
     def __str__(self) -> str:
         return f"{self.where}: {self.script} {' '.join(self.args)}"
@@ -79,9 +88,11 @@ def _command(text: str, where: str) -> Command | None:
     script = next((i for i, w in enumerate(words) if w.endswith(".py") and (ROOT / w).is_file()), None)
     if script is None or not any(w in ("python", "python3", "torchrun") for w in words[:script]):
         return None
+    if "-m" in words[:script]:
+        return None  # a module run (python -m pytest ... tests/x.py), not one of the scripts
     if any(w in TEMPLATE_WORDS or w.endswith("=...") for w in words):
         return None  # a syntax template ("python train.py group=option key=value"), not a command
-    return Command(where, words[script], tuple(words[script + 1:]))
+    return Command(where, words[script], tuple(words[script + 1:]), tuple(words[:script]))
 
 
 def documented_commands() -> list[Command]:
@@ -186,17 +197,215 @@ def test_every_documented_benchmark_flag_exists(script, monkeypatch, capsys):
     assert "usage:" in help_text and {f for f in flags if f not in help_text} == set(), script
 
 
+def test_the_generated_parts_of_the_pages_are_up_to_date():
+    """The strategy's options table, the recorded runs' figures and the measured comparison equal what their
+    sources give (``python docs/generated.py`` rewrites them)."""
+    generated = runpy.run_path(str(ROOT / "docs" / "generated.py"))
+    assert generated["stale"]() == []
+    pages = "".join(page.read_text() for page in generated["PAGES"])
+    assert {m.group("name") for m in generated["BLOCK"].finditer(pages)} == set(generated["GENERATORS"])
+    # A record's command is one the README shows, exactly.
+    readme = {" ".join(c.args) for c in TRAIN if c.where.startswith("README.md")}
+    for name, command in generated["COMMANDS"].items():
+        assert command.removeprefix("python train.py").strip() in readme, name
+        assert generated["load"](name)["command"] == command, name
+
+
+# ----- running the documented commands for real ----------------------------------------------------------------
+#: What a short variant adds to a ``train.py`` command that trains long: step limits only.
+STEP_LIMITS = ("trainer.max_steps=3", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2")
+#: The documented commands the default suite runs for real (the first ten minutes of a new user): the README's
+#: main job (:func:`main_job`, also the design card's ``partition=balanced2``: a 2-stage balanced pipeline) and
+#: these, as ``script args``. ``layout=pp2_tp2`` (4 processes, a minute here) runs with ``-m all_commands``; the
+#: tensor-parallel tests cover its layout in process.
+RUN_IN_THE_SUITE = (
+    "train.py trainer.max_steps=3 evaluate=false",
+    "train.py layout=tp2",
+    "train.py partition=balanced4",
+    "generate.py ckpt_path=outputs/2026-01-01/00-00-00/checkpoints/last.ckpt num_samples=5 temperature=0.8 top_k=50",
+)
+#: Documented commands that cannot run on one CPU machine without a network (``-m all_commands`` leaves them out).
+NOT_RUN = {
+    "train.py data=ptb data.download=true": "downloads PTB: the test machines have no network",
+    "train.py layout=dp2_pp2 trainer.num_nodes=2": "needs two machines",
+    "train.py layout=dp2_pp2 trainer.num_nodes=2 data=ptb data.path=/shared/ptb model=medium": "needs two machines",
+    "train.py trainer.accelerator=gpu layout=pp4 trainer.precision=bf16-mixed": "needs 4 GPUs",
+}
+
+
+def _key(command: Command) -> str:
+    return f"{command.script} {' '.join(command.args)}".strip()
+
+
+def _stand_ins(tmp: Path, checkpoint: Path | None) -> dict[str, str]:
+    """Paths a command names that do not exist here, and what stands in for them: PTB files made of the shared valid
+    and test splits, output directories under ``tmp``, and the main job's checkpoint for ``outputs/<date>/<time>``."""
+    from tests.helpers import ptb_dir
+
+    ptb, wiki = tmp / "ptb", tmp / "wikitext-2"
+    if not ptb.exists():
+        ptb.mkdir(parents=True)
+        wiki.mkdir(parents=True)
+        for split, source in (("train", "valid"), ("valid", "valid"), ("test", "test")):
+            text = (ptb_dir() / f"ptb.{source}.txt").read_text()
+            (ptb / f"ptb.{split}.txt").write_text(text)
+            (wiki / f"wiki.{split}.tokens").write_text(text)
+    out = {"/data/ptb": ptb, "/path/to/ptb": ptb, "/shared/ptb": ptb, "/path/to/wikitext-2": wiki,
+           "/scratch/checkpoints": tmp / "scratch", "/shared/tensorboard/run1": tmp / "tensorboard",
+           "runs/first": tmp / "runs-first", "sweeps/layouts": tmp / "sweeps"}
+    for folder in ("/data", "/d", "/data/ptb"):
+        for split in ("train", "valid", "test"):
+            out[f"{folder}/ptb.{split}.txt"] = ptb / f"ptb.{split}.txt"
+    if checkpoint is not None:
+        out["outputs/2026-01-01/00-00-00/checkpoints/last.ckpt"] = checkpoint
+    return {k: str(v) for k, v in out.items()}
+
+
+def _as_run(command: Command, tmp: Path, checkpoint: Path | None = None) -> list[str]:
+    """The command line to run: as written, placeholders stood in for, and for ``train.py`` the step limits and a
+    run directory under ``tmp`` (unless the command sets one)."""
+    stand_ins = _stand_ins(tmp, checkpoint)
+    args = []
+    for arg in command.args:
+        key, _, value = arg.partition("=")
+        args.append(f"{key}={stand_ins.get(value, value)}" if value else stand_ins.get(arg, arg))
+    if command.script == "train.py" and not {"--help", "--cfg"} & set(args):
+        limits = [*STEP_LIMITS] if not any(a.startswith("ckpt_path=") for a in args) else [
+            "trainer.max_steps=6", *STEP_LIMITS[1:]]
+        args = [re.sub(r"^hydra\.sweeper\.n_trials=\d+$", "hydra.sweeper.n_trials=2", a) for a in args]
+        args += [limit for limit in limits if limit.split("=")[0] not in {a.split("=")[0] for a in args}]
+        if "hydra.sweeper.n_trials=2" not in args and "hparams_search=lstm_optuna" in args:
+            args.append("hydra.sweeper.n_trials=2")
+        for key, folder in (("hydra.run.dir", "run"), ("hydra.sweep.dir", "sweep")):
+            if not any(a.startswith(f"{key}=") for a in args):
+                args.append(f"{key}={tmp / folder}")
+    if command.launcher[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *command.launcher[1:], command.script, *args]
+    return [sys.executable, command.script, *args]
+
+
+def _jobs_of(command: Command) -> int:
+    return 2 if any("hparams_search" in a for a in command.args) else len(_jobs(command.args))
+
+
+def _tables(output: str) -> list[dict[str, str]]:
+    """The closing tables in a run's output (each ``label -> value``)."""
+    lines, tables = output.splitlines(), []
+    rules = [i for i, line in enumerate(lines) if re.fullmatch(r"-{60,}", line.strip())]
+    for start, end in zip(rules, rules[1:]):
+        if start + 1 < end and lines[start + 1].startswith(("validation perplexity", "evaluated weights")):
+            tables.append(dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in lines[start + 1:end]))
+    return tables
+
+
+def _check_quiet(output: str) -> None:
+    """No Python warning (``file.py:N: ...`` or ``...Warning:``), no Lightning tip, and each logged warning once:
+    what remains is what the user can act on, said once."""
+    assert "💡" not in output, output[-3000:]
+    lines = output.splitlines()
+    shown = [line for line in lines if re.match(r"^\S+\.py:\d+: ", line) or re.search(r"\w+Warning:", line)]
+    assert shown == [], shown
+    logged = [re.sub(r"^\[[^]]*\]", "", line) for line in lines if "][WARNING] - " in line]
+    assert len(logged) == len(set(logged)), logged
+
+
+def _check_promised_output(command: Command, output: str) -> None:
+    """What the pages promise a command prints."""
+    args = set(command.args)
+    if command.script == "generate.py":
+        samples = int(next(a for a in command.args if a.startswith("num_samples=")).split("=")[1])
+        assert len([line for line in output.splitlines() if line.strip()]) == samples, output[-2000:]
+    elif command.script == "train.py" and "--help" in args:
+        assert "Powered by Hydra" in output and "layout: " in output
+    elif command.script == "train.py" and "--cfg" in args:
+        assert "model:" in output and "strategy:" in output
+    elif command.script == "train.py":
+        tables = _tables(output)
+        assert len(tables) == _jobs_of(command), output[-3000:]  # one closing table per job, printed once
+        for table in tables:
+            if "evaluate=false" in args:
+                assert table["evaluated weights"] == "none (evaluate=false)", table
+            else:
+                assert float(table["test perplexity"].replace(",", "")) > 1, table
+            assert float(table["train tokens / s"].replace(",", "")) > 0, table
+        _check_quiet(output)
+    else:
+        assert re.search(r"^final loss: \S+$", output, re.MULTILINE), output[-2000:]
+
+
+def _run(command: Command, tmp: Path, checkpoint: Path | None = None, timeout: float = 280) -> str:
+    result = run_command(_as_run(command, tmp, checkpoint), timeout=timeout)
+    assert result.returncode == 0, f"{command}:\n{result.stdout[-4000:]}"
+    _check_promised_output(command, result.stdout)
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> tuple[str, Path]:
+    """The README's main job, ``python train.py``, run once (short: step limits) for the tests that read its output
+    or use its checkpoint."""
+    tmp = tmp_path_factory.mktemp("main_job")
+    command = next(c for c in TRAIN if c.where.startswith("README.md") and not c.args)
+    return _run(command, tmp, timeout=280), tmp / "run"
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stages", [2, 4])
-def test_the_design_card_command_trains_a_balanced_pipeline_of_that_many_processes(stages, tmp_path):
-    """``python train.py partition=balanced<N>`` alone (here with a few steps of the tiny model): N processes, an
-    N-stage balanced pipeline, and its partition report."""
-    args = [sys.executable, "train.py", f"partition=balanced{stages}", *TINY_RUN, *SMALL_SYNTHETIC,
-            "trainer.limit_train_batches=2", "~callbacks.timeline", f"hydra.run.dir={tmp_path}/run"]
-    result = run_command(args, timeout=280)
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert f"pipeline_parallel_size={stages}" in result.stdout
-    report = result.stdout[result.stdout.index("partition (costs by time)"):]
-    rows = [line.split() for line in report.splitlines()[3:3 + stages]]
-    assert [row[0] for row in rows] == [str(s) for s in range(stages)], report[:2000]
-    assert result.stdout.count("validation perplexity") == 1
+def test_the_main_job_runs_quietly_and_prints_what_the_readme_promises(main_job):
+    """``python train.py``: a 2-stage balanced pipeline, the whole model's summary, the closing table; no warning
+    the project causes, and each message once, from rank 0."""
+    output, run = main_job
+    (table,) = _tables(output)
+    assert float(table["synthetic floor (true model)"]) == pytest.approx(71.80, abs=0.01)
+    assert table["checkpoint"] == str(run / "checkpoints" / "last.ckpt") and Path(table["checkpoint"]).is_file()
+    assert (run / "timeline.png").stat().st_size > 0
+    assert "pipeline_parallel_size=2" in output
+    report = output[output.index("partition (costs by time)"):]
+    assert [line.split()[0] for line in report.splitlines()[3:5]] == ["0", "1"], report[:1500]
+    for once in ("corpus synthetic:", "bucket lengths:", "GPU available:", "Initializing distributed:",
+                 "partition (costs by time):", "Total params:"):
+        assert output.count(once) == 1, (once, output[-4000:])
+    # The summary counts the whole model (both stages), FLOPs of its LSTM layers included.
+    assert re.search(r"Total params: 523 K", output) and re.search(r"Total FLOPs: [1-9][\d.]* [MG]", output)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("key", RUN_IN_THE_SUITE)
+def test_the_first_ten_minutes_commands_run_as_written(key, main_job, tmp_path):
+    """Exit status 0 and the promised output; the generate command samples from the main job's checkpoint."""
+    command = next(c for c in COMMANDS if _key(c) == key)
+    output = _run(command, tmp_path, checkpoint=main_job[1] / "checkpoints" / "last.ckpt")
+    stages = re.match(r"train\.py partition=balanced(\d)$", key)
+    if stages:  # the design card's command: an N-stage balanced pipeline on N processes, and its report
+        n = int(stages.group(1))
+        assert f"pipeline_parallel_size={n}" in output
+        report = output[output.index("partition (costs by time)"):]
+        rows = [line.split() for line in report.splitlines()[3:3 + n]]
+        assert [row[0] for row in rows] == [str(s) for s in range(n)], report[:2000]
+    if "tp2" in key:
+        assert "tensor_parallel_size=2" in output and "decoder split /2" in output
+
+
+def test_the_lists_of_commands_name_documented_commands():
+    documented = {_key(c) for c in COMMANDS}
+    assert set(RUN_IN_THE_SUITE) <= documented
+    assert set(NOT_RUN) <= documented, set(NOT_RUN) - documented
+
+
+def _every_command() -> list[Command]:
+    seen, out = set(), []
+    for command in COMMANDS:
+        key = (command.launcher[0], _key(command))
+        if key in seen or _key(command) in NOT_RUN or command.script.startswith("benchmarks/"):
+            continue  # benchmark scripts: their flags are checked above; they measure for minutes
+        if command.script == "docs/generated.py":
+            continue  # it rewrites the pages; its --check runs in the default suite (generated parts up to date)
+        seen.add(key)
+        out.append(command)
+    return out
+
+
+@pytest.mark.all_commands
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("command", _every_command(), ids=str)
+def test_every_documented_command_runs_as_written(command, main_job, tmp_path):
+    _run(command, tmp_path, checkpoint=main_job[1] / "checkpoints" / "last.ckpt", timeout=880)

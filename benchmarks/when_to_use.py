@@ -1,0 +1,186 @@
+"""When to use mp_lstm: one model and global batch trained by one process, DDP, FSDP, a hand-written torch pipelining
+loop and the ``mp_lstm`` strategy, side by side on this machine (docs/when_to_use.md).
+
+The model and batch are ``benchmarks/overhead.py``'s (4 x LSTM 256, vocabulary 2,000, batch 64 x 35, SGD). Every
+run starts fresh processes, skips ``--warmup`` steps, and reports tokens/s (real tokens of the global batch over the
+median interval between step starts on rank 0) and the parameters each rank holds. Two processes run one thread
+each; the one process runs two (the same cores). Lightning's FSDP strategy refuses a CPU, so the FSDP row is torch's
+``fully_shard`` (FSDP2) in a loop of its own, as the bare pipelining row is.
+
+    python benchmarks/when_to_use.py [--steps 14] [--warmup 4]   # writes benchmarks/when_to_use.json
+    python docs/generated.py                                      # puts its table into docs/when_to_use.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from benchmarks.overhead import Setup, bare_loop, batches, model_of  # noqa: E402
+from lightning_mp_lstm import MPLSTMStrategy  # noqa: E402
+from lightning_mp_lstm.declaration import pipeline_model  # noqa: E402
+from lightning_mp_lstm.model import token_loss_sum  # noqa: E402
+from lightning_mp_lstm.partition import even_partition  # noqa: E402
+from lightning_mp_lstm.testing import run_ranks  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "when_to_use.json"
+#: (name, processes, what it is) in the order of the table.
+RUNS = (
+    ("one process", 1, "Lightning, `Trainer(devices=1)`, 2 threads"),
+    ("DDP", 2, "Lightning, `strategy=\"ddp\"`: a whole model per process, half the batch each"),
+    ("FSDP", 2, "torch `fully_shard` (FSDP2) per layer, half the batch each, own loop"),
+    ("bare pipelining loop", 2, "torch `PipelineStage` + `Schedule1F1B`, 8 microbatches, own loop "
+                                "(`benchmarks/overhead.py`)"),
+    ("mp_lstm pp2", 2, "`Trainer(strategy=\"mp_lstm\", devices=2)`: the same pipeline, 1F1B, 8 microbatches"),
+    ("mp_lstm dp2", 2, "`MPLSTMStrategy(data_parallel_size=2)`: two replicas of the whole model"),
+)
+
+
+class _StepTimer(pl.Callback):
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.starts.append(time.perf_counter())
+
+
+def _held(model: torch.nn.Module) -> int:
+    """Parameters this process holds (a shard's local part)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def _half(rank: int, world_size: int, steps: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    share = setup.rows // world_size
+    return [(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]) for x, y in batches(steps, setup)]
+
+
+def _lightning(rank: int, world_size: int, steps: int, setup: Setup, strategy: Any, shard: bool) -> tuple[list, int]:
+    timer, model = _StepTimer(), model_of(setup)
+    data = _half(rank, world_size, steps, setup) if shard else batches(steps, setup)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, callbacks=[timer], use_distributed_sampler=False)
+    trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=None))
+    return [b - a for a, b in zip(timer.starts, timer.starts[1:])], _held(model)
+
+
+def _fsdp(rank: int, world_size: int, steps: int, setup: Setup) -> tuple[list, int]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = model_of(setup)
+    for module in (model.embedding, *model.lstm, model.decoder, model):
+        fully_shard(module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    starts = []
+    for x, y in _half(rank, world_size, steps, setup):
+        starts.append(time.perf_counter())
+        logits, _ = model(x)
+        (token_loss_sum(logits, y) / y.numel()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [b - a for a, b in zip(starts, starts[1:])], _held(model)
+
+
+def _bare(rank: int, world_size: int, steps: int, setup: Setup) -> tuple[list, int]:
+    intervals = bare_loop(rank, steps - 1, setup)
+    blocks = pipeline_model(model_of(setup))  # what bare_loop keeps on this rank: an even split of the blocks
+    blocks.keep_blocks(even_partition(blocks.block_names, world_size)[rank])
+    return intervals, sum(p.numel() for p in blocks.module.parameters())
+
+
+def _worker(rank: int, world_size: int, name: str, steps: int) -> tuple[list[float], int]:
+    warnings.filterwarnings("ignore")
+    setup = Setup()
+    torch.set_num_threads(2 if world_size == 1 else 1)
+    if world_size > 1 and not dist.is_initialized() and name in ("FSDP", "bare pipelining loop"):
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    if name == "one process":
+        return _lightning(rank, 1, steps, setup, "auto", shard=False)
+    if name == "DDP":
+        return _lightning(rank, world_size, steps, setup, "ddp", shard=True)
+    if name == "FSDP":
+        return _fsdp(rank, world_size, steps, setup)
+    if name == "bare pipelining loop":
+        return _bare(rank, world_size, steps, setup)
+    kwargs = ({"schedule": setup.schedule, "n_microbatches": setup.microbatches} if name == "mp_lstm pp2"
+              else {"data_parallel_size": 2, "pipeline_parallel_size": 1})
+    strategy = MPLSTMStrategy(report_after_steps=None, num_threads=1, **kwargs)
+    return _lightning(rank, world_size, steps, setup, strategy, shard=False)
+
+
+def measure(steps: int, warmup: int) -> dict[str, Any]:
+    """Every run of :data:`RUNS` in fresh processes; the rows of the table."""
+    setup, rows = Setup(), []
+    tokens = setup.rows * setup.length
+    for name, processes, what in RUNS:
+        results = run_ranks(_worker, processes, name, steps, timeout=900, start_method="forkserver")
+        intervals = results[0][0][warmup:]
+        step_s = statistics.median(intervals)
+        rows.append({"run": name, "what": what, "processes": processes, "step_s": step_s,
+                     "tokens_per_s": tokens / step_s, "params_per_rank": [held for _, held in results],
+                     "timed_steps": len(intervals)})
+        print(f"{name}: {tokens / step_s:,.0f} tokens/s", flush=True)
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["ratio"] = row["tokens_per_s"] / base
+    import lightning
+
+    return {"command": "python benchmarks/when_to_use.py" + (f" --steps {steps} --warmup {warmup}"
+                                                               if (steps, warmup) != (14, 4) else ""),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"cores": os.cpu_count(), "torch": torch.__version__, "lightning": lightning.__version__,
+                        "python": platform.python_version()},
+            "setup": {"model": f"{setup.num_layers} x LSTM {setup.hidden_size}, embedding {setup.embedding_dim}, "
+                               f"vocabulary {setup.vocab_size:,}", "batch": f"{setup.rows} x {setup.length}"},
+            "rows": rows}
+
+
+def render(result: dict[str, Any]) -> str:
+    """The page's table (Markdown) from a result of :func:`measure`."""
+    lines = ["| run | processes x threads | tokens/s | **x one process** | s/step | parameters per rank | what |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in result["rows"]:
+        threads = "1 x 2" if row["processes"] == 1 else f"{row['processes']} x 1"
+        held = ", ".join(f"{p:,}" for p in row["params_per_rank"])
+        lines.append(f"| {row['run']} | {threads} | {row['tokens_per_s']:,.0f} | {row['ratio']:.2f} | "
+                     f"{row['step_s']:.3f} | {held} | {row['what']} |")
+    m = result["machine"]
+    lines.append("")
+    lines.append(f"{result['setup']['model']}, global batch {result['setup']['batch']}, SGD; median over "
+                 f"{result['rows'][0]['timed_steps']} timed steps per run after warm-up. `{result['command']}`, "
+                 f"{result['date'][:10]}, {m['cores']} CPU cores, torch {m['torch']}, Lightning {m['lightning']} "
+                 "(a shared machine: compare the rows, not the absolute numbers). Generated from "
+                 "`benchmarks/when_to_use.json` by `python docs/generated.py`.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4)
+    args = parser.parse_args()
+    result = measure(args.steps, args.warmup)
+    OUT.write_text(json.dumps(result, indent=1) + "\n")
+    print(render(result))
+
+
+if __name__ == "__main__":
+    main()
