@@ -11,7 +11,7 @@ import warnings
 import hydra
 from omegaconf import DictConfig
 
-from lightning_mp_lstm.generation import generate_from_checkpoint
+from lightning_mp_lstm.app.generation import generate_from_checkpoint
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="generate")

@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from lightning_mp_lstm.app import exit_when_stopped, metric_value, train
+from lightning_mp_lstm.app.training import exit_when_stopped, metric_value, train
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

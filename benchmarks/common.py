@@ -24,7 +24,7 @@ def ptb_dir() -> Path:
     Raises:
         FileNotFoundError: when either file is missing there.
     """
-    from lightning_mp_lstm.testing import ptb_dir as find
+    from lightning_mp_lstm.base.testing import ptb_dir as find
 
     return find(ROOT)
 

@@ -160,7 +160,7 @@ def advice_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any
     import torch
 
     from lightning_mp_lstm import LSTMLanguageModel
-    from lightning_mp_lstm.advice import advise, calibrate
+    from lightning_mp_lstm.planning.advice import advise, calibrate
 
     data = _datamodule(job["data"])
     with torch.device("meta"):
@@ -231,7 +231,7 @@ def spawn(world_size: int, jobs: list[dict[str, Any]], timeout: float,
     Returns:
         Every rank's ``(result, seconds)`` of every job (``[rank][job]``).
     """
-    from lightning_mp_lstm.testing import run_ranks
+    from lightning_mp_lstm.base.testing import run_ranks
 
     return run_ranks(worker, world_size, jobs, timeout=timeout, start_method=start_method)
 

@@ -32,7 +32,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import ptb_paths  # noqa: E402
-from lightning_mp_lstm.testing import run_ranks  # noqa: E402
+from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 
 LAYOUTS = {"1 process": 1, "pp2": 2, "pp4": 4}
 

@@ -22,9 +22,9 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 from torch.distributed.pipelining.schedules import get_schedule_class  # noqa: E402
 
 from lightning_mp_lstm import LSTMLanguageModel  # noqa: E402
-from lightning_mp_lstm.declaration import pipeline_model  # noqa: E402
-from lightning_mp_lstm.model import token_loss_sum  # noqa: E402
-from lightning_mp_lstm.partition import even_partition  # noqa: E402
+from lightning_mp_lstm.models.binding import pipeline_model  # noqa: E402
+from lightning_mp_lstm.models.lstm_language_model import token_loss_sum  # noqa: E402
+from lightning_mp_lstm.planning.partition import even_partition  # noqa: E402
 
 __all__ = ["Contiguous", "ContiguousGrad", "Setup", "bare_loop", "batches", "model_of"]
 

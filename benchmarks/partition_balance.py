@@ -34,8 +34,8 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
-from lightning_mp_lstm.plan import step_time  # noqa: E402
-from lightning_mp_lstm.testing import run_ranks  # noqa: E402
+from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
+from lightning_mp_lstm.planning.plan import step_time  # noqa: E402
 
 VOCAB, LENGTH = 10_000, 35
 MXNET2 = [["embedding", "lstm.0", "lstm.1", "lstm.2", "lstm.3"], ["lstm.4", "lstm.5", "lstm.6", "lstm.7", "decoder"]]

@@ -56,7 +56,7 @@ def _stage_seconds_in_step(record: Any) -> list[float]:
 
 
 def _bound(stage_seconds: Sequence[float], m: int) -> float:
-    from lightning_mp_lstm.plan import step_time
+    from lightning_mp_lstm.planning.plan import step_time
 
     return step_time(stage_seconds, m)
 
@@ -369,7 +369,7 @@ def section_advice(results: list[tuple[dict, dict]], layouts: dict[str, Any]) ->
 
 def _wavefront_row(job: dict[str, Any], result: dict[str, Any], s: Sizes) -> dict[str, Any]:
     """One run of the wavefront section: its step, tokens/s, bound (pipelines) and every rank's peak memory."""
-    from lightning_mp_lstm.plan import step_time
+    from lightning_mp_lstm.planning.plan import step_time
     from lightning_mp_lstm.timeline import COMPUTE, StepRecord, predicted_bubble
 
     timed = range(job["warmup"], job["warmup"] + s.wave_steps)

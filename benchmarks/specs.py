@@ -104,7 +104,7 @@ def _two_stage_splits(names: Sequence[str]) -> list[list[list[str]]]:
 
 def regret_jobs(s: Sizes) -> list[dict[str, Any]]:
     """Every contiguous 2-stage split and the balanced one, each once per round (rounds one after another)."""
-    from lightning_mp_lstm.model import block_names
+    from lightning_mp_lstm.models.lstm_language_model import block_names
 
     batches = s.regret_warmup + 1 + s.regret_steps
     settings = [("balanced", "balanced")] + [(split_name(p), p) for p in

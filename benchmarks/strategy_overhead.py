@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from benchmarks.overhead import Setup, bare_loop, batches, model_of  # noqa: E402
 from lightning_mp_lstm import MPLSTMStrategy  # noqa: E402
-from lightning_mp_lstm.testing import run_ranks  # noqa: E402
+from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 
 
 class _StepTimer(pl.Callback):

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, pa
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy  # noqa: E402
-from lightning_mp_lstm.testing import run_ranks  # noqa: E402
+from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 
 
 class CountCollectives:

@@ -36,10 +36,10 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from benchmarks.overhead import Setup, bare_loop, batches, model_of  # noqa: E402
 from lightning_mp_lstm import MPLSTMStrategy  # noqa: E402
-from lightning_mp_lstm.declaration import pipeline_model  # noqa: E402
-from lightning_mp_lstm.model import token_loss_sum  # noqa: E402
-from lightning_mp_lstm.partition import even_partition  # noqa: E402
-from lightning_mp_lstm.testing import run_ranks  # noqa: E402
+from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
+from lightning_mp_lstm.models.binding import pipeline_model  # noqa: E402
+from lightning_mp_lstm.models.lstm_language_model import token_loss_sum  # noqa: E402
+from lightning_mp_lstm.planning.partition import even_partition  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "when_to_use.json"
 #: (name, processes, what it is) in the order of the table.

@@ -7,7 +7,9 @@ rewritten from its source alone:
   and its docstring's ``Args:`` (meanings);
 - ``main-job-*``: figures of ``python train.py`` (the README's main job), from ``docs/records/main_job.json``;
 - ``ptb-*``: figures of the README's PTB command, from ``docs/records/ptb.json``;
-- ``when-to-use``: the comparison table of ``docs/when_to_use.md``, from ``benchmarks/when_to_use.json``.
+- ``when-to-use``: the comparison table of ``docs/when_to_use.md``, from ``benchmarks/when_to_use.json``;
+- ``layers``: the table of the package's layers in ``docs/architecture.md``, from the ``layers`` contract in
+  ``pyproject.toml`` and the package's files and imports (``docs/layers.py``, which also draws the picture).
 
 A record holds the command exactly as the README gives it, the date, the machine, the wall time and the run's
 closing table. Commands::
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import inspect
 import json
 import os
@@ -196,9 +199,17 @@ def when_to_use() -> str:
     return render(json.loads(WHEN_TO_USE.read_text()))
 
 
+def layers() -> str:
+    spec = importlib.util.spec_from_file_location("docs_layers", ROOT / "docs" / "layers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.table()
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "strategy-options": strategy_options, "main-job-figures": main_job_figures, "main-job-table": main_job_table,
-    "ptb-figures": ptb_figures, "when-to-use": when_to_use,
+    "ptb-figures": ptb_figures, "when-to-use": when_to_use, "layers": layers,
 }
 
 

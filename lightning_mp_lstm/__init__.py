@@ -7,14 +7,14 @@ Importing the package registers the ``"mp_lstm"`` strategy name with Lightning, 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mp_lstm.checkpoint import CheckpointError
-from lightning_mp_lstm.contract import PipelineModel
-from lightning_mp_lstm.declaration import LSTMBlocks, ModelDeclarationError
-from lightning_mp_lstm.divergence import DivergenceError, DivergenceGuard
-from lightning_mp_lstm.layout import LayoutError, ParallelLayout
-from lightning_mp_lstm.model import LSTMLanguageModel
-from lightning_mp_lstm.partition import PartitionError
-from lightning_mp_lstm.stopping import RunStopped, StopOnSignal
-from lightning_mp_lstm.strategy import MPLSTMStrategy
+from lightning_mp_lstm.models.contract import PipelineModel
+from lightning_mp_lstm.models.declaration import LSTMBlocks, ModelDeclarationError
+from lightning_mp_lstm.models.lstm_language_model import LSTMLanguageModel
+from lightning_mp_lstm.planning.layout import LayoutError, ParallelLayout
+from lightning_mp_lstm.planning.partition import PartitionError
+from lightning_mp_lstm.strategy.divergence import DivergenceError, DivergenceGuard
+from lightning_mp_lstm.strategy.stopping import RunStopped, StopOnSignal
+from lightning_mp_lstm.strategy.strategy import MPLSTMStrategy
 from lightning_mp_lstm.timeline import PipelineTimeline
 
 __all__ = ["CheckpointError", "DivergenceError", "DivergenceGuard", "LSTMBlocks", "LSTMLanguageModel", "LayoutError",

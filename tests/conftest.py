@@ -51,7 +51,7 @@ def _no_launched_job_left_behind(request: pytest.FixtureRequest):
     import torch.distributed as dist
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-    from lightning_mp_lstm.launcher import LAUNCH_ENV
+    from lightning_mp_lstm.strategy.launcher import LAUNCH_ENV
 
     before = {key: os.environ.get(key) for key in LAUNCH_ENV}
     threads, rank = torch.get_num_threads(), rank_zero_only.rank

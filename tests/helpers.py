@@ -21,8 +21,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_mp_lstm import LSTMLanguageModel, testing
-from lightning_mp_lstm.testing import PTB_ENV, free_port  # noqa: F401
+from lightning_mp_lstm import LSTMLanguageModel
+from lightning_mp_lstm.base import testing
+from lightning_mp_lstm.base.testing import PTB_ENV, free_port  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Vocabulary size of the hand-made batches.
@@ -234,10 +235,10 @@ def cpu_engine(module: torch.nn.Module, layout: Any, rank: int) -> Any:
     """The pipeline engine of ``rank`` for ``module`` on ``layout``: a CPU mesh, an even partition."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_mp_lstm.declaration import pipeline_model
-    from lightning_mp_lstm.engine import ProcessGroups, build_engine
-    from lightning_mp_lstm.layout import MESH_DIMS
-    from lightning_mp_lstm.partition import even_partition
+    from lightning_mp_lstm.models.binding import pipeline_model
+    from lightning_mp_lstm.pipeline.engine import ProcessGroups, build_engine
+    from lightning_mp_lstm.planning.layout import MESH_DIMS
+    from lightning_mp_lstm.planning.partition import even_partition
 
     replica, pipeline_rank = layout.coordinates(rank)[:2]
     mesh = init_device_mesh("cpu", (layout.data_parallel_size, layout.pipeline_parallel_size, 1),
@@ -307,7 +308,7 @@ def assert_same_predictions(got: list[dict], expected: list[dict]) -> None:
 
 # ----- processes -------------------------------------------------------------------------------------------
 class DictStore:
-    """The part of a c10d store that :class:`~lightning_mp_lstm.faults.PeerDirectory` uses, in memory."""
+    """The part of a c10d store that :class:`~lightning_mp_lstm.base.faults.PeerDirectory` uses, in memory."""
 
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
@@ -324,9 +325,9 @@ class DictStore:
 
 
 def run_ranks(fn: Any, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
-    """:func:`lightning_mp_lstm.testing.run_ranks` with its ranks forked from the forkserver unless ``start_method``
-    says otherwise: a rank then starts in milliseconds instead of importing torch and Lightning again (about 7 s for
-    2 ranks, 15 s for 4 on 2 cores)."""
+    """:func:`lightning_mp_lstm.base.testing.run_ranks` with its ranks forked from the forkserver unless
+    ``start_method`` says otherwise: a rank then starts in milliseconds instead of importing torch and Lightning again
+    (about 7 s for 2 ranks, 15 s for 4 on 2 cores)."""
     return testing.run_ranks(fn, world_size, *args, **{"start_method": "forkserver", **kwargs})
 
 
@@ -408,7 +409,7 @@ class RecordBlockDevices(pl.Callback):
         return {block: sorted(devices) for block, devices in blocks.items()}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_mp_lstm.declaration import pipeline_model
+        from lightning_mp_lstm.models.binding import pipeline_model
 
         if not self.block_names:  # before the strategy prunes the model
             self.block_names = list(pipeline_model(pl_module).block_names)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mp_lstm import advice
-from lightning_mp_lstm.advice import Calibration, advise, calibrate, render
-from lightning_mp_lstm.plan import step_time
+from lightning_mp_lstm.planning import advice
+from lightning_mp_lstm.planning.advice import Calibration, advise, calibrate, render
+from lightning_mp_lstm.planning.plan import step_time
 from tests.helpers import tiny_model
 
 CPU = torch.device("cpu")

@@ -14,7 +14,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from lightning_mp_lstm.app import build_model, build_strategy, build_trainer, format_summary, metric_value, train
+from lightning_mp_lstm.app.training import (
+    build_model,
+    build_strategy,
+    build_trainer,
+    format_summary,
+    metric_value,
+    train,
+)
 from tests.helpers import ONE_PROCESS, ROOT, SMALL_SYNTHETIC, TINY_RUN, free_port, run_command, start_command
 
 TINY = [*TINY_RUN, *SMALL_SYNTHETIC]

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mp_lstm import launcher
-from lightning_mp_lstm.app import train
+from lightning_mp_lstm.app.training import train
+from lightning_mp_lstm.strategy import launcher
 from tests.helpers import ONE_PROCESS, ROOT, SMALL_SYNTHETIC, TINY_RUN, run_command_and_leftovers
 
 TINY, SYNTHETIC = TINY_RUN, SMALL_SYNTHETIC

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_mp_lstm.app.generation import load_for_generation
 from lightning_mp_lstm.checkpoint import (
     CheckpointError,
     load_optimizer_state,
@@ -17,9 +18,8 @@ from lightning_mp_lstm.checkpoint import (
     optimizer_state,
 )
 from lightning_mp_lstm.checkpoint.sharded import _empty_like
-from lightning_mp_lstm.declaration import pipeline_model
-from lightning_mp_lstm.generation import load_for_generation
-from lightning_mp_lstm.tied import shared_parameter_aliases
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.pipeline.tied import shared_parameter_aliases
 from tests.helpers import VOCAB, tiny_model
 
 

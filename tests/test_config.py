@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mp_lstm import DivergenceGuard, LayoutError, MPLSTMStrategy, PartitionError
-from lightning_mp_lstm.app import (
+from lightning_mp_lstm.app.training import (
     build_model,
     build_strategy,
     build_trainer,
@@ -25,7 +25,7 @@ from lightning_mp_lstm.app import (
     instantiate_loggers,
 )
 from lightning_mp_lstm.checkpoint import RunCheckpoint
-from lightning_mp_lstm.declaration import pipeline_model
+from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.timeline import PipelineTimeline
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

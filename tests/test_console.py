@@ -9,9 +9,10 @@ import warnings
 import pytest
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_mp_lstm import console, report
-from lightning_mp_lstm.layout import ParallelLayout
-from lightning_mp_lstm.plan import PipelinePlan
+from lightning_mp_lstm.app import console
+from lightning_mp_lstm.planning import report
+from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.plan import PipelinePlan
 
 
 def _record(message: str, level: int = logging.INFO, name: str = "lightning_mp_lstm.data") -> logging.LogRecord:
@@ -24,7 +25,7 @@ def test_informational_lines_come_from_rank_zero_once_and_without_tips(monkeypat
     assert not keep.filter(_record("corpus synthetic: train=80000"))
     # The data's warnings are every rank's alike: rank 0 says them; a rank's own warnings and errors pass.
     assert not keep.filter(_record("4 of 3370 sentences are longer than the largest bucket", logging.WARNING))
-    assert keep.filter(_record("lost rank 0", logging.WARNING, name="lightning_mp_lstm.faults"))
+    assert keep.filter(_record("lost rank 0", logging.WARNING, name="lightning_mp_lstm.base.faults"))
     assert keep.filter(_record("bad data", logging.ERROR))
     monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)
     assert keep.filter(_record("corpus synthetic: train=80000"))

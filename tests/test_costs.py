@@ -1,12 +1,12 @@
-"""Tests for lightning_mp_lstm.costs: the analytic per-block costs of the LSTM language model."""
+"""Tests for lightning_mp_lstm.models.costs: the analytic per-block costs of the LSTM language model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_mp_lstm.costs import CostError, ModelShape, flop_costs, memory_costs, parameter_counts
-from lightning_mp_lstm.partition import even_partition, partition_blocks
+from lightning_mp_lstm.models.costs import CostError, ModelShape, flop_costs, memory_costs, parameter_counts
+from lightning_mp_lstm.planning.partition import even_partition, partition_blocks
 
 
 def _torch_blocks(shape: ModelShape) -> dict[str, torch.nn.Module]:

@@ -31,15 +31,18 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import LSTMBlocks, LSTMLanguageModel, MPLSTMStrategy, collectives, faults, layout
-from lightning_mp_lstm import advice as advice_module
+from lightning_mp_lstm import LSTMBlocks, LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm import checkpoint as ckpt
-from lightning_mp_lstm import strategy as strategy_module
-from lightning_mp_lstm.advice import Calibration, advise, calibrate
-from lightning_mp_lstm.declaration import pipeline_model
-from lightning_mp_lstm.engine import PipelineEngine, split_model
-from lightning_mp_lstm.layout import ParallelLayout, _timeout_options
-from lightning_mp_lstm.stages import StageRandomness
+from lightning_mp_lstm.base import faults
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.pipeline.engine import PipelineEngine, split_model
+from lightning_mp_lstm.pipeline.stages import StageRandomness
+from lightning_mp_lstm.planning import advice as advice_module
+from lightning_mp_lstm.planning import layout
+from lightning_mp_lstm.planning.advice import Calibration, advise, calibrate
+from lightning_mp_lstm.planning.layout import ParallelLayout, _timeout_options
+from lightning_mp_lstm.strategy import collectives
+from lightning_mp_lstm.strategy import strategy as strategy_module
 from tests.helpers import FixedBatches, quiet_trainer, tiny_model
 
 

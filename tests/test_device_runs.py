@@ -39,8 +39,10 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import lightning_mp_lstm
-from lightning_mp_lstm import MPLSTMStrategy, faults, pipeline_setup
-from lightning_mp_lstm.layout import MESH_DIMS
+from lightning_mp_lstm import MPLSTMStrategy
+from lightning_mp_lstm.base import faults
+from lightning_mp_lstm.planning.layout import MESH_DIMS
+from lightning_mp_lstm.strategy import pipeline_setup
 from lightning_mp_lstm.timeline import PipelineTimeline
 from tests.helpers import FixedBatches, run_ranks, tiny_model
 

@@ -80,6 +80,7 @@ def test_sphinx_site_builds_without_warnings(tmp_path):
     assert "tiny_data" in quickstart and "MPLSTMStrategy" in quickstart
     assert "initialize_config_dir" in (out / "configuration.html").read_text()
     assert "MPLSTMStrategy" in (out / "api.html").read_text()
+    assert "layers.png" in (out / "architecture.html").read_text()  # the picture of the package's layers
     # The theme lays pages out wide and responsive, code blocks get a copy button, and the new pages are linked.
     index = (out / "index.html").read_text()
     assert "pydata-sphinx-theme" in index and "copybutton" in quickstart

@@ -31,7 +31,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from lightning_mp_lstm.app import build_model, build_strategy, build_trainer
+from lightning_mp_lstm.app.training import build_model, build_strategy, build_trainer
 from tests.helpers import ROOT, run_command
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

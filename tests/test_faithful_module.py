@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mp_lstm import LSTMBlocks, ModelDeclarationError, MPLSTMStrategy
-from lightning_mp_lstm.module_audit import NotReproducedWarning
-from lightning_mp_lstm.random_tape import RandomTape
-from lightning_mp_lstm.verify import VerificationError
+from lightning_mp_lstm.models.module_audit import NotReproducedWarning
+from lightning_mp_lstm.strategy.random_tape import RandomTape
+from lightning_mp_lstm.strategy.verify import VerificationError
 from tests.helpers import (
     Gradients,
     TimeFirstStream,
@@ -369,7 +369,7 @@ def test_verify_names_a_float64_loss_computed_in_float32(monkeypatch):
     trainer = quiet_trainer(strategy, 1, max_steps=1, limit_val_batches=0, precision="64-true")
     trainer.fit(model, datamodule=data)  # float64 end to end: equal to one process at 1e-10
     strategy.shutdown()
-    monkeypatch.setattr("lightning_mp_lstm.objective.token_cross_entropy", float32_loss)
+    monkeypatch.setattr("lightning_mp_lstm.models.objective.token_cross_entropy", float32_loss)
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, verify=True, **QUIET)
     trainer = quiet_trainer(strategy, 1, max_steps=1, limit_val_batches=0, precision="64-true")
     with pytest.raises(VerificationError, match=r"step 0 loss .* DIFFERS"):
@@ -380,13 +380,13 @@ def test_verify_names_a_float64_loss_computed_in_float32(monkeypatch):
 @pytest.mark.timeout(120)
 def test_the_verify_command_runs_on_two_processes_and_fails_on_a_difference(tmp_path):
     example = "docs/examples/awd_lstm.py"
-    ok = run_command([sys.executable, "-m", "lightning_mp_lstm.verify", f"{example}:AwdLSTM", "--data",
+    ok = run_command([sys.executable, "-m", "lightning_mp_lstm.app.verify", f"{example}:AwdLSTM", "--data",
                       f"{example}:RandomStream", "--devices", "2", "--accelerator", "cpu",
                       "--option", "n_microbatches=2"], timeout=110)
     assert ok.returncode == 0, ok.stdout[-3000:]
     assert "the pipeline reproduces the module's training step" in ok.stdout
     assert ok.stdout.count("step 0 gradients of rnns.2") == 1  # printed once, by rank 0
-    differs = run_command([sys.executable, "-m", "lightning_mp_lstm.verify", f"{example}:AwdLSTMAsWordLM", "--data",
+    differs = run_command([sys.executable, "-m", "lightning_mp_lstm.app.verify", f"{example}:AwdLSTMAsWordLM", "--data",
                            f"{example}:RandomStream", "--devices", "1", "--accelerator", "cpu",
                            "--option", "n_microbatches=2"], timeout=110)
     assert differs.returncode == 1, differs.stdout[-3000:]

@@ -16,7 +16,8 @@ import lightning.pytorch as pl
 import pytest
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import MPLSTMStrategy, faults
+from lightning_mp_lstm import MPLSTMStrategy
+from lightning_mp_lstm.base import faults
 from tests.helpers import RELIABILITY_MESSAGES, DictStore, FixedBatches, quiet_trainer, run_ranks, tiny_model
 
 TIMEOUT = 6.0  # the process-group timeout of the stopped-rank run, seconds

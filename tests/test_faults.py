@@ -22,9 +22,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import MPLSTMStrategy, profile
+from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm import checkpoint as checkpoint_module
 from lightning_mp_lstm.checkpoint import read_checkpoint
+from lightning_mp_lstm.planning import profile
 from tests.helpers import (
     RELIABILITY_MESSAGES,
     FixedBatches,

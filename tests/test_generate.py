@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
+from lightning_mp_lstm.app.generation import generate, generate_from_checkpoint, generate_ids, load_for_generation
 from lightning_mp_lstm.checkpoint import CheckpointError, consolidate, is_sharded
 from lightning_mp_lstm.data import LMDataModule
 from lightning_mp_lstm.data.vocab import Vocabulary
-from lightning_mp_lstm.generation import generate, generate_from_checkpoint, generate_ids, load_for_generation
 from tests.helpers import parameters_of, quiet_trainer, run_command, run_ranks
 
 SIZES = {"embedding_dim": 16, "hidden_size": 16, "num_layers": 2}

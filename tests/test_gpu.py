@@ -29,8 +29,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import MPLSTMStrategy, advice, faults
+from lightning_mp_lstm import MPLSTMStrategy
+from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.checkpoint import consolidate, read_checkpoint
+from lightning_mp_lstm.planning import advice
 from tests.helpers import FixedBatches, TrainLosses, assert_same_training, run_ranks, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

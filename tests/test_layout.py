@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_mp_lstm.layout import SCHEDULES, LayoutError, ParallelLayout, schedule_style
+from lightning_mp_lstm.planning.layout import SCHEDULES, LayoutError, ParallelLayout, schedule_style
 
 
 def test_world_size_and_stage_counts():

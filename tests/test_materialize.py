@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import MPLSTMStrategy, profile
+from lightning_mp_lstm import MPLSTMStrategy
+from lightning_mp_lstm.planning import profile
 from tests.helpers import FixedBatches, assert_ranks_match, parameters_of, quiet_trainer, run_ranks, tiny_model
 
 

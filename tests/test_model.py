@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_mp_lstm import LSTMBlocks, LSTMLanguageModel
-from lightning_mp_lstm.contract import PipelineModel, check_model
-from lightning_mp_lstm.declaration import pipeline_model
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.models.contract import PipelineModel, check_model
 
 
 def _model(**kwargs) -> LSTMLanguageModel:

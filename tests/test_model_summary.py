@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import summarize
 
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
-from lightning_mp_lstm.summary import CountingSummary, PipelineModelSummary, WholeModelSummary
+from lightning_mp_lstm.strategy.summary import CountingSummary, PipelineModelSummary, WholeModelSummary
 from tests.helpers import FixedBatches, quiet_trainer, run_ranks, tiny_model
 
 ROWS, LENGTH = 8, 9  # the example batch; the model's 37 words are padded to 40

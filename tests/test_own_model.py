@@ -16,7 +16,7 @@ from torch import nn
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMBlocks, ModelDeclarationError, MPLSTMStrategy
-from lightning_mp_lstm.engine import PipelineEngine
+from lightning_mp_lstm.pipeline.engine import PipelineEngine
 from tests.helpers import (
     Gradients,
     TimeFirstStream,
@@ -253,7 +253,7 @@ class BatchFirstDeclared(WordLM):
            r"shape \(6, 8\) are \(T, B\) = 6 steps of 8 sequences; declare LSTMBlocks\(..., time_first=True\)"),
 ])
 def test_time_first_batches_without_the_flag_are_refused_never_trained_as_the_wrong_shape(reshape, message):
-    from lightning_mp_lstm.declaration import pipeline_model
+    from lightning_mp_lstm.models.binding import pipeline_model
 
     data, targets = next(iter(StreamData().train_dataloader()))
     blocks = pipeline_model(BatchFirstDeclared())

@@ -1,4 +1,4 @@
-"""Tests for lightning_mp_lstm.partition: validation, the even split and exact balancing (pure Python)."""
+"""Tests for lightning_mp_lstm.planning.partition: validation, the even split and exact balancing (pure Python)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_mp_lstm import partition as P
-from lightning_mp_lstm.partition import (
+from lightning_mp_lstm.planning import partition as P
+from lightning_mp_lstm.planning.partition import (
     PartitionError,
     balanced_partition,
     even_partition,

@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_mp_lstm.layout import ParallelLayout
-from lightning_mp_lstm.model import token_loss_sum
+from lightning_mp_lstm.models.lstm_language_model import token_loss_sum
+from lightning_mp_lstm.planning.layout import ParallelLayout
 from tests.helpers import cpu_engine, lm_batches, rel_error, run_ranks, tiny_model
 
 

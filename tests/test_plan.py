@@ -1,4 +1,4 @@
-"""Tests for lightning_mp_lstm.plan: typed options, the frozen plan, the one step-time model (one process)."""
+"""Tests for lightning_mp_lstm.planning.plan: typed options, the frozen plan, the one step-time model (one process)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_mp_lstm import plan as plan_module
-from lightning_mp_lstm.declaration import pipeline_model
-from lightning_mp_lstm.layout import LayoutError, ParallelLayout
-from lightning_mp_lstm.partition import PartitionError
-from lightning_mp_lstm.plan import PlanOptions, make_plan, microbatch_candidates, step_time
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.planning import plan as plan_module
+from lightning_mp_lstm.planning.layout import LayoutError, ParallelLayout
+from lightning_mp_lstm.planning.partition import PartitionError
+from lightning_mp_lstm.planning.plan import PlanOptions, make_plan, microbatch_candidates, step_time
 from tests.helpers import tiny_model
 
 CPU = torch.device("cpu")

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import MPLSTMStrategy, profile
-from lightning_mp_lstm.blocks import LSTMLayerBlock
-from lightning_mp_lstm.precision import set_numerics
+from lightning_mp_lstm import MPLSTMStrategy
+from lightning_mp_lstm.models.blocks import LSTMLayerBlock
+from lightning_mp_lstm.planning import profile
+from lightning_mp_lstm.strategy.precision import set_numerics
 from tests.helpers import FixedBatches, TrainLosses, quiet_trainer, run_ranks, tiny_model
 
 

@@ -1,12 +1,12 @@
-"""Tests for lightning_mp_lstm.profile: measured block and stage times, on the device asked for."""
+"""Tests for lightning_mp_lstm.planning.profile: measured block and stage times, on the device asked for."""
 
 from __future__ import annotations
 
 import torch
 
-from lightning_mp_lstm import profile
-from lightning_mp_lstm.declaration import pipeline_model
-from lightning_mp_lstm.stages import StageModule
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.pipeline.stages import StageModule
+from lightning_mp_lstm.planning import profile
 from tests.helpers import tiny_model
 
 

@@ -1,12 +1,12 @@
-"""Tests for lightning_mp_lstm.report: the plan and the measurements, rendered."""
+"""Tests for lightning_mp_lstm.planning.report: the plan and the measurements, rendered."""
 
 from __future__ import annotations
 
 import torch
 
-from lightning_mp_lstm.layout import ParallelLayout
-from lightning_mp_lstm.plan import PlanOptions, make_plan
-from lightning_mp_lstm.report import Measurements, render, stage_summary
+from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.plan import PlanOptions, make_plan
+from lightning_mp_lstm.planning.report import Measurements, render, stage_summary
 from tests.helpers import tiny_model
 
 
@@ -40,7 +40,7 @@ def test_measurements_are_shown_next_to_the_plan_which_does_not_change():
 
 
 def test_compact_block_runs():
-    from lightning_mp_lstm.report import _compact
+    from lightning_mp_lstm.planning.report import _compact
 
     assert _compact(["embedding", "lstm.0", "lstm.1", "lstm.2", "decoder"]) == "embedding, lstm.0-2, decoder"
     assert _compact(["lstm.1", "lstm.3"]) == "lstm.1, lstm.3"

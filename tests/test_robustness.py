@@ -112,7 +112,7 @@ def test_strategy_name_and_a_second_import_are_harmless():
     assert build(devices=1).strategy.layout.pipeline_parallel_size == 1
     # Reloading the strategy module itself (e.g. IPython autoreload) re-creates the class: the name must
     # then give the new class, not the stale one.
-    module = importlib.import_module("lightning_mp_lstm.strategy")
+    module = importlib.import_module("lightning_mp_lstm.strategy.strategy")
     try:
         importlib.reload(module)
         importlib.reload(lightning_mp_lstm)
@@ -134,7 +134,7 @@ def _ended_pid() -> int:
 def test_a_rank_that_only_lost_a_peer_is_not_named_as_the_cause(monkeypatch):
     """Rank 2 ended after naming its own loss; rank 1 was killed. Rank 0 names rank 1 only, and rank 3 (which
     reported its own error) with its message."""
-    from lightning_mp_lstm import faults
+    from lightning_mp_lstm.base import faults
 
     store = DictStore()
     monkeypatch.setattr(faults.PeerDirectory, "_store", staticmethod(lambda: store))

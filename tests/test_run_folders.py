@@ -15,11 +15,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from lightning_mp_lstm.testing import free_port
+from lightning_mp_lstm.base.testing import free_port
 from tests.helpers import RELIABILITY_MESSAGES, ROOT, SMALL_SYNTHETIC, TINY_RUN, processes_in_group, start_command
 
-QUICK = [*TINY_RUN, *SMALL_SYNTHETIC, "trainer.max_steps=2", "evaluate=false", "optimized_metric=null",
-         "~callbacks.timeline"]
+QUICK = [*TINY_RUN, *SMALL_SYNTHETIC, "trainer.max_steps=2", "evaluate=false", "~callbacks.timeline"]
 
 
 @pytest.mark.timeout(240)
@@ -54,8 +53,8 @@ def test_runs_started_in_the_same_microsecond_get_two_folders_and_the_ranks_of_o
     ``torchrun`` started (one launcher, their parent) get one."""
     from hydra.core.utils import setup_globals
 
-    from lightning_mp_lstm import run_name
-    from lightning_mp_lstm.app import train  # noqa: F401  (registers the resolver, as train.py does)
+    from lightning_mp_lstm.app import run_name
+    from lightning_mp_lstm.app.training import train  # noqa: F401  (registers the resolver, as train.py does)
 
     frozen = datetime(2026, 11, 25, 18, 38, 39, 119042)
     monkeypatch.setattr(run_name, "datetime", type("Frozen", (), {"now": staticmethod(lambda: frozen),

@@ -1,4 +1,4 @@
-"""``lightning_mp_lstm.testing.run_ranks``: both start methods give every rank the launcher's environment and the
+"""``lightning_mp_lstm.base.testing.run_ranks``: both start methods give every rank the launcher's environment and the
 caller's, a deadline kills the ranks, and a bad start method is refused before any process starts."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mp_lstm import testing
+from lightning_mp_lstm.base import testing
 from tests.helpers import run_ranks
 
 

@@ -27,10 +27,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
-from lightning_mp_lstm.app import train
+from lightning_mp_lstm.app.training import train
 from lightning_mp_lstm.checkpoint import read_checkpoint
 from lightning_mp_lstm.data import LMDataModule
-from lightning_mp_lstm.stopping import RunStopped, check_stop_signals
+from lightning_mp_lstm.strategy.stopping import RunStopped, check_stop_signals
 from tests.helpers import (
     ONE_PROCESS,
     RELIABILITY_MESSAGES,
@@ -177,7 +177,7 @@ def test_the_slurm_requeue_signal_saves_the_hpc_checkpoint_and_requeues(tmp_path
                        "SLURM_NODELIST": "127.0.0.1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(lightning_mp_lstm.testing.free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(lightning_mp_lstm.base.testing.free_port()))
     warnings.filterwarnings("ignore")
     data = LMDataModule(**DATA)
     data.setup("fit")

@@ -22,7 +22,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import _launch_process_observer
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_mp_lstm.launcher import LAUNCH_ENV, JobLauncher, hydra_quote
+from lightning_mp_lstm.strategy.launcher import LAUNCH_ENV, JobLauncher, hydra_quote
 from tests.helpers import (
     ROOT,
     SMALL_SYNTHETIC,

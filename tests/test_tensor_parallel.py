@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.checkpoint import read_checkpoint
-from lightning_mp_lstm.layout import LayoutError
+from lightning_mp_lstm.planning.layout import LayoutError
 from tests.helpers import (
     VOCAB,
     FixedBatches,
@@ -189,9 +189,9 @@ def test_a_sharded_tensor_parallel_checkpoint_resumes_on_another_layout(tmp_path
 def test_partition_report_shows_each_ranks_share_of_split_blocks():
     import torch as _torch
 
-    from lightning_mp_lstm.layout import ParallelLayout
-    from lightning_mp_lstm.plan import PlanOptions, make_plan
-    from lightning_mp_lstm.report import render, stage_summary
+    from lightning_mp_lstm.planning.layout import ParallelLayout
+    from lightning_mp_lstm.planning.plan import PlanOptions, make_plan
+    from lightning_mp_lstm.planning.report import render, stage_summary
 
     model = tiny_model(num_layers=2, vocab=1000)
     whole = make_plan(model, ParallelLayout(pipeline_parallel_size=2, n_microbatches=2), PlanOptions(partition="even"),

@@ -17,8 +17,8 @@ import torch
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.checkpoint import read_checkpoint
-from lightning_mp_lstm.declaration import pipeline_model
-from lightning_mp_lstm.tied import shared_parameter_aliases
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.pipeline.tied import shared_parameter_aliases
 from tests.helpers import (
     FixedBatches,
     Gradients,

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.checkpoint import read_checkpoint
-from lightning_mp_lstm.vocab_padding import PaddedDecoder, padded_vocab_size
+from lightning_mp_lstm.models.vocab_padding import PaddedDecoder, padded_vocab_size
 from tests.helpers import (
     VOCAB,
     FixedBatches,

@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import LayoutError, MPLSTMStrategy, advice, report
-from lightning_mp_lstm import plan as plan_module
-from lightning_mp_lstm.advice import Calibration, advise
+from lightning_mp_lstm import LayoutError, MPLSTMStrategy
 from lightning_mp_lstm.data import LMDataModule
-from lightning_mp_lstm.language_model import prediction_from_logits
-from lightning_mp_lstm.layout import ParallelLayout
-from lightning_mp_lstm.model import token_loss_sum
-from lightning_mp_lstm.plan import ChunkCost, PlanOptions, chunk_candidates, make_plan, step_time
-from lightning_mp_lstm.wavefront import chunk_lengths
+from lightning_mp_lstm.models.language_model_blocks import prediction_from_logits
+from lightning_mp_lstm.models.lstm_language_model import token_loss_sum
+from lightning_mp_lstm.pipeline.wavefront import chunk_lengths
+from lightning_mp_lstm.planning import advice, report
+from lightning_mp_lstm.planning import plan as plan_module
+from lightning_mp_lstm.planning.advice import Calibration, advise
+from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.plan import ChunkCost, PlanOptions, chunk_candidates, make_plan, step_time
 from tests.helpers import (
     FixedBatches,
     Gradients,

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from awd_lstm import AwdLSTM, stream_batches  # noqa: E402  (the example next to this one)
 
 from lightning_mp_lstm import MPLSTMStrategy  # noqa: E402
+from lightning_mp_lstm.base.testing import ptb_dir  # noqa: E402
 from lightning_mp_lstm.data.corpus import read_sentences  # noqa: E402
 from lightning_mp_lstm.data.vocab import Vocabulary  # noqa: E402
-from lightning_mp_lstm.testing import ptb_dir  # noqa: E402
 
 BATCH, BPTT = 20, 35
 MODEL = dict(ninp=200, nhid=400, nlayers=3, dropout=0.4, dropouth=0.25, dropouti=0.4, dropoute=0.1, wdrop=0.5,

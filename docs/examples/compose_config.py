@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from lightning_mp_lstm import ParallelLayout
-from lightning_mp_lstm.app import build_model, build_strategy, build_trainer
+from lightning_mp_lstm.app.training import build_model, build_strategy, build_trainer
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 

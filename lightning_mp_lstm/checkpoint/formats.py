@@ -19,6 +19,7 @@ from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 from typing_extensions import override
 
+from lightning_mp_lstm.base.faults import everywhere, gather, point_to_point_group, result_from
 from lightning_mp_lstm.checkpoint.files import check_finite, read_checkpoint
 from lightning_mp_lstm.checkpoint.sharded import is_sharded, load_sharded, save_sharded
 from lightning_mp_lstm.checkpoint.state import (
@@ -30,7 +31,6 @@ from lightning_mp_lstm.checkpoint.state import (
     name_keyed_optimizer_state,
     optimizer_state,
 )
-from lightning_mp_lstm.faults import everywhere, gather, point_to_point_group, result_from
 
 __all__ = ["CheckpointFormat", "FileFormat", "ShardedFormat", "checkpoint_format", "gather_to_rank_zero"]
 
@@ -157,7 +157,7 @@ FORMATS: dict[str, type[CheckpointFormat]] = {"file": FileFormat, "sharded": Sha
 
 def checkpoint_format(name: str) -> CheckpointFormat:
     """The format object of ``checkpoint_format=name`` (``"file"`` or ``"sharded"``, checked by the strategy's
-    :class:`~lightning_mp_lstm.options.ProcessOptions`)."""
+    :class:`~lightning_mp_lstm.strategy.options.ProcessOptions`)."""
     return FORMATS[name]()
 
 
@@ -175,7 +175,7 @@ def gather_to_rank_zero(local: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Gather one picklable dict per process on global rank 0 (``None`` on the other ranks).
 
     Tensors travel on CPU, whatever the device, over the rank-to-rank object group (gloo,
-    :func:`~lightning_mp_lstm.faults.point_to_point_group`); without a process group the list holds ``local`` only.
+    :func:`~lightning_mp_lstm.base.faults.point_to_point_group`); without a process group the list holds ``local`` only.
     Rank 0 receives one rank at a time and unpickles it before the next, so it holds every rank's tensors once plus one
     rank's serialized bytes, not all of them twice (what ``gather_object`` needs).
     """

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_mp_lstm.checkpoint.files import CheckpointError
-from lightning_mp_lstm.tied import shared_parameter_aliases
+from lightning_mp_lstm.pipeline.tied import shared_parameter_aliases
 
 __all__ = [
     "ModelNames",
@@ -53,7 +53,7 @@ class ModelNames:
         parameter_names: its ``named_parameters()`` names in order (the order a one-process optimizer holds them);
             ``None``: not recorded.
         aliases: every further name of a tied weight -> its first name
-            (:func:`~lightning_mp_lstm.tied.shared_parameter_aliases`).
+            (:func:`~lightning_mp_lstm.pipeline.tied.shared_parameter_aliases`).
     """
 
     state_keys: Sequence[str] | None = None

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_mp_lstm.validation import check_positive_int
+from lightning_mp_lstm.base.validation import check_positive_int
 
 __all__ = ["LONG_SENTENCE_POLICIES", "OUTLIER_FACTOR", "BucketedDataset", "auto_buckets", "length_cap",
            "resolve_buckets"]

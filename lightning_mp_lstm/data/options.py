@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_mp_lstm.base.validation import check_positive_int
 from lightning_mp_lstm.data.buckets import LONG_SENTENCE_POLICIES
 from lightning_mp_lstm.data.sources import SOURCES
-from lightning_mp_lstm.validation import check_positive_int
 
 __all__ = ["MODES", "check_options"]
 

@@ -17,7 +17,7 @@ import numpy as np
 from torch.utils.data import Sampler
 from typing_extensions import override
 
-from lightning_mp_lstm.validation import check_positive_int
+from lightning_mp_lstm.base.validation import check_positive_int
 
 __all__ = ["BucketBatchSampler"]
 

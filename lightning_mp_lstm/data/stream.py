@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_mp_lstm.validation import check_positive_int
+from lightning_mp_lstm.base.validation import check_positive_int
 
 __all__ = ["TokenStream"]
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lightning_mp_lstm.validation import check_positive_int
+from lightning_mp_lstm.base.validation import check_positive_int
 
 __all__ = ["DEFAULT_SPLIT_SIZES", "SyntheticLanguage", "synthetic_splits"]
 

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from lightning_mp_lstm.validation import check_positive_int
+from lightning_mp_lstm.base.validation import check_positive_int
 
 __all__ = ["EOS", "PAD", "UNK", "Vocabulary"]
 

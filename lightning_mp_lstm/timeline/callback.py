@@ -11,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_mp_lstm.faults import gather
+from lightning_mp_lstm.base.faults import gather
 from lightning_mp_lstm.timeline.picture import draw
 from lightning_mp_lstm.timeline.record import Span, StepRecord, predicted_bubble
 from lightning_mp_lstm.timeline.recorder import RECORDER

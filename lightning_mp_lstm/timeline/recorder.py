@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mp_lstm.faults import object_group
+from lightning_mp_lstm.base.faults import object_group
 from lightning_mp_lstm.timeline.clocks import Clock, HostClock, clock_for
 from lightning_mp_lstm.timeline.torch_p2p import P2PHooks
 

@@ -1,0 +1,399 @@
+"""The pipeline engine: runs batches forward and backward through this process's stages (no Lightning here).
+
+:func:`split_model` prunes a model to the blocks of one pipeline rank and materializes them; :func:`build_engine`
+makes its stages and the :class:`PipelineEngine` that runs them. The engine keeps one ``PipelineStage`` + schedule
+per batch shape (a stage sizes its receive buffers at its first step: MXNet's "one executor per bucket"; for
+``schedule="Wavefront"`` a :class:`~lightning_mp_lstm.pipeline.wavefront.WavefrontSchedule`), at most
+``max_cached_shapes`` of them, normalizes the loss by the global batch's token count, and after the backward pass
+sums gradients over replicas and tied copies and clips them by the global norm. The training loop (the ``mp_lstm``
+strategy, or any other) owns the engine and calls it; the model never holds it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from lightning_mp_lstm.base import faults
+from lightning_mp_lstm.models.contract import PipelineModel
+from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients, clip_grad_norm_
+from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness
+from lightning_mp_lstm.pipeline.tied import TiedWeights
+from lightning_mp_lstm.pipeline.wavefront import WavefrontSchedule
+from lightning_mp_lstm.planning.layout import ParallelLayout
+
+__all__ = ["PipelineEngine", "ProcessGroups", "StepResult", "build_engine", "split_model"]
+
+#: The tag of the loss terms the last stage's rank sends (apart from the schedules' activations and gradients).
+_TERMS_TAG = 1 << 20
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a batch gave, the same on every rank (detached).
+
+    Attributes:
+        loss: the batch loss as the model defines it (its terms included).
+        tokens: the global batch's target tokens.
+        weights: its global counts (``[tokens, sequences]`` for a language model), what the loss is averaged over.
+        terms: the loss's named terms (each a part of ``loss``), if the model reports any.
+    """
+
+    loss: torch.Tensor
+    tokens: torch.Tensor
+    weights: torch.Tensor | None = None
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The process groups of this process's place in the mesh: its pipeline, its stage's replicas, its stage's
+    tensor-parallel shards (each may have one member)."""
+
+    pipeline: dist.ProcessGroup
+    data_parallel: dist.ProcessGroup
+    tensor_parallel: dist.ProcessGroup
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> ProcessGroups:
+        """The groups of a ``(data_parallel, pipeline_parallel, tensor_parallel)`` mesh."""
+        return cls(*(mesh[name].get_group() for name in ("pipeline_parallel", "data_parallel", "tensor_parallel")))
+
+
+def _shared(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` has other members than this process."""
+    return dist.get_world_size(group) > 1
+
+
+def split_model(model: PipelineModel, partition: Sequence[Sequence[str]], stage_ids: Sequence[int],
+                device: torch.device) -> None:
+    """Prune ``model`` to the blocks of the stages ``stage_ids`` and give those still on the meta device their
+    initial values on ``device`` (parameter names never change)."""
+    own = [name for s in stage_ids for name in partition[s]]
+    model.keep_blocks(own)
+    model.materialize_blocks(own, device)
+
+
+def build_engine(model: PipelineModel, layout: ParallelLayout, partition: Sequence[Sequence[str]],
+                 pipeline_rank: int, data_parallel_rank: int, groups: ProcessGroups, device: torch.device,
+                 seed: int | None = None, tied: TiedWeights | None = None) -> PipelineEngine:
+    """Split ``model`` for ``pipeline_rank`` and return the engine that runs its stages.
+
+    Args:
+        model: the model's pipeline view (pruned in place).
+        layout: the validated layout; ``partition``: block names of every stage.
+        pipeline_rank, data_parallel_rank: this process's place in the mesh.
+        groups: its process groups.
+        device: its device.
+        seed: seed of every stage's dropout stream (:class:`~lightning_mp_lstm.pipeline.stages.StageRandomness`);
+            ``None``: the global stream.
+        tied: the tied weights' owner groups (:meth:`TiedWeights.build`, after the split).
+    """
+    stage_ids = layout.stage_indices(pipeline_rank)
+    split_model(model, partition, stage_ids, device)
+    last = model.block_names[-1]
+    context = getattr(model, "microbatch_context", None)
+    stages = {
+        s: StageModule(model.blocks(partition[s]),
+                       StageRandomness(seed, data_parallel_rank, s, device) if seed is not None else None,
+                       last_block=last, microbatch_context=context).to(device)
+        for s in stage_ids
+    }
+    loss_blocks = set(getattr(model, "loss_blocks", [last]))
+    term_stages = [s for s, names in enumerate(partition) if loss_blocks & set(names)]
+    return PipelineEngine(model, stages, layout, groups, device, tied or TiedWeights(),
+                          data_parallel_rank=data_parallel_rank, term_stages=term_stages)
+
+
+class PipelineEngine:
+    """Runs training, evaluation and prediction batches through this process's pipeline stages.
+
+    Args:
+        model: the model's pipeline view (its contract gives the loss, padding rows and predictions).
+        stage_modules: global stage index -> :class:`~lightning_mp_lstm.pipeline.stages.StageModule` of this process.
+        layout: the validated layout.
+        groups: this process's pipeline, data-parallel and tensor-parallel groups.
+        device: this process's device.
+        tied: the tied weights this process holds a copy of.
+        max_cached_shapes: the most stages + schedules kept (one per batch shape and mode); the least recently
+            used is dropped, with the receive buffers it holds.
+        data_parallel_rank: this process's replica.
+        term_stages: the stages that compute pieces of the loss (default: the last; a penalty adds its stage).
+
+    Attributes:
+        global_batches: every replica is given the whole global batch and takes its contiguous share of the rows
+            (a user's data); ``False``: each replica is given its own share already (``LMDataModule``).
+    """
+
+    def __init__(self, model: PipelineModel, stage_modules: dict[int, StageModule], layout: ParallelLayout,
+                 groups: ProcessGroups, device: torch.device, tied: TiedWeights, max_cached_shapes: int = 32,
+                 data_parallel_rank: int = 0, term_stages: Sequence[int] | None = None) -> None:
+        self.model = model
+        self.data_parallel_rank = data_parallel_rank
+        self.global_batches = True
+        self.stage_modules = stage_modules
+        self.layout = layout
+        self.groups = groups
+        self.device = device
+        self.tied = tied
+        self.max_cached_shapes = max_cached_shapes
+        self._schedules: OrderedDict[tuple[int, int, str], Any] = OrderedDict()
+        #: The names of the loss terms the model reports, agreed by every rank at its first batch of each mode.
+        self._term_names: dict[str, list[str]] = {}
+        #: The global token count of the last batch run.
+        self.last_tokens: torch.Tensor | None = None
+        self.has_first_stage = 0 in stage_modules
+        self.has_last_stage = layout.num_stages - 1 in stage_modules
+        # Pipeline rank that holds the last stage: the last rank, except for V-shaped schedules.
+        self._last_stage_rank = layout.rank_of_stage(layout.num_stages - 1)
+        #: Whether that rank computes every piece of the loss (no penalty on an earlier rank's stage).
+        self._terms_on_last_rank = all(layout.rank_of_stage(s) == self._last_stage_rank
+                                       for s in (term_stages or [layout.num_stages - 1]))
+        self._sends: list[Any] = []
+
+    # ----- running batches ---------------------------------------------------------------------------------
+    def forward_backward(self, batch: Any, accumulation: int = 1) -> StepResult:
+        """Run a training batch forward and backward: this process's parameters get the batch's gradients added to
+        their ``.grad`` (not yet summed over replicas: see :meth:`reduce_gradients`).
+
+        Args:
+            batch: ``(inputs, targets, ...)`` in the model's batch layout (this replica's share).
+            accumulation: batches accumulated per optimizer step; the gradients are divided by it.
+        """
+        for module in self.stage_modules.values():
+            module.reset_finite_checks()
+        return self._run(batch, "train", accumulation)
+
+    def evaluate(self, batch: Any) -> StepResult:
+        """The loss of an evaluation batch (forward only)."""
+        with torch.no_grad():
+            return self._run(batch, "eval", 1)
+
+    def predict(self, batch: Any) -> dict[str, torch.Tensor]:
+        """The model's predictions of a batch, identical on every rank; with several replicas the replicas'
+        shares are gathered in replica order (global rank 0 holds the whole global batch)."""
+        self.flush()
+        inputs, targets, rows = self.prepare(batch)
+        self._set_mode(train=False)
+        schedule = self._schedule(inputs.shape, "predict")
+        with torch.no_grad():
+            logits = schedule.eval(*((inputs,) if self.has_first_stage else ()))
+        result = self.model.predictions(logits, targets) if self.has_last_stage and logits is not None else None
+        result = {k: v[:rows] for k, v in self._broadcast_predictions(result).items()}
+        if _shared(self.groups.data_parallel):
+            # Every rank of a replica holds its predictions; the first rank of each replica's pipeline sends them to
+            # every rank over the object group (gloo: host memory, never staged through NCCL).
+            leads = [self.layout.global_rank(replica, 0) for replica in range(self.layout.data_parallel_size)]
+            mine = dist.get_rank() in leads
+            every = faults.gather(lambda: {k: v.cpu() for k, v in result.items()} if mine else None)
+            result = {k: torch.cat([every[lead][k] for lead in leads]).to(self.device) for k in result}
+        restore = getattr(self.model, "restore_layout", None)
+        return restore(result) if restore is not None else result
+
+    def _run(self, batch: Any, mode: str, accumulation: int) -> StepResult:
+        self.flush()
+        inputs, targets, rows = self.prepare(batch)
+        weights = self._sum_over_replicas(self.model.batch_weights(targets[:rows]))
+        tokens = weights[0]
+        self.last_tokens = tokens
+        size = inputs.shape[0] // self.layout.n_microbatches
+        self.model.start_batch(weights, [max(0, min(size, rows - i * size)) for i in range(self.layout.n_microbatches)],
+                               accumulation)
+        self._set_mode(train=mode == "train")
+        schedule = self._schedule(inputs.shape, mode)
+        args = (inputs,) if self.has_first_stage else ()
+        target = targets if self.has_last_stage else None
+        with self._loss_context():  # forward and backward of a vocabulary-parallel loss run inside it
+            if mode == "train":
+                schedule.step(*args, target=target, return_outputs=False)
+            else:
+                schedule.eval(*args, target=target)
+        terms = self._reduce_terms(self.model.finish_batch(), mode)
+        terms = {name: value * accumulation for name, value in terms.items()}
+        loss = terms.pop("loss")
+        return StepResult(loss, tokens, weights, terms)
+
+    def _reduce_terms(self, local: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
+        """The batch's loss terms summed over the pipeline's stages and the replicas (one collective each), under the
+        names every rank agreed on at its first batch of ``mode``."""
+        names = self._term_names.get(mode)
+        if names is None:
+            names = self.model.term_names
+            if names is None:  # the module's own methods name them: learn them once, from every rank
+                every = {name for ranks in faults.gather(lambda: sorted(local)) for name in ranks}
+                names = ["loss", *sorted(every - {"loss"})]
+            self._term_names[mode] = names
+        unknown = sorted(set(local) - set(names))
+        if unknown:
+            raise ValueError(f"the model reported loss terms {unknown} that its first {mode} batch did not; a loss or "
+                             f"penalty method must return the same terms every batch ({names})")
+        values = torch.stack([local[n] if n in local else torch.zeros((), dtype=torch.float64, device=self.device)
+                              for n in names]).to(device=self.device, dtype=torch.float64)
+        if not _shared(self.groups.pipeline):
+            values = self._sum_over_replicas(values)
+        elif self._terms_on_last_rank:
+            values = self._from_last_stage(values)
+        else:  # a penalty on an earlier stage's rank: every rank's pieces, summed
+            dist.all_reduce(values, group=self.groups.pipeline)
+            values = self._sum_over_replicas(values)
+        return dict(zip(names, values.unbind(), strict=True))
+
+    def _from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
+        """The batch's terms when the last stage's rank computes every piece: it sums them over the replicas and sends
+        them to the rest of its pipeline without waiting, so it goes on to its optimizer step while the first stages
+        finish their backward (a collective here would hold it until the last of them); the others take the terms
+        after their own part of the schedule, already sent. The sends are waited for at the next batch."""
+        group, last = self.groups.pipeline, self._last_stage_rank
+        if self.has_last_stage:
+            values = self._sum_over_replicas(values)
+            self._sends = [dist.isend(values, group=group, group_dst=peer, tag=_TERMS_TAG)
+                           for peer in range(dist.get_world_size(group)) if peer != last]
+            return values
+        dist.recv(values, group=group, group_src=last, tag=_TERMS_TAG)
+        return values
+
+    def flush(self) -> None:
+        """Wait for the last batch's terms to reach the rest of the pipeline (they did, when it ran a batch since)."""
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+
+    # ----- after the backward pass ---------------------------------------------------------------------------
+    def reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
+        """Sum gradients over the data-parallel replicas and over the owners of each tied weight (once per
+        optimizer step, before clipping: the global norm must see the summed gradient)."""
+        all_reduce_gradients(parameters, self.groups.data_parallel)
+        self.tied.all_reduce()
+
+    def clip_grad_norm_(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient (every stage and shard; a tied weight counted once)."""
+        params = list(parameters)
+        tensor = self.groups.tensor_parallel if _shared(self.groups.tensor_parallel) else None
+        return clip_grad_norm_(params, max_norm, self.device, self.groups.pipeline, tensor,
+                               counted=self.tied.in_norm(params))
+
+    def check_finite(self, loss: torch.Tensor, where: str) -> None:
+        """Raise ``FloatingPointError`` on every rank (the loss is the same everywhere) when ``loss`` is not finite,
+        naming ``where`` and the first block whose output was not finite. Reads the loss on the host: one
+        synchronization per step."""
+        if bool(torch.isfinite(loss).all()):
+            return
+        raise FloatingPointError(
+            f"mp_lstm: the training loss is {float(loss)} at {where}; the first non-finite value came from "
+            f"{self.non_finite_source()}. Lower the learning rate, clip gradients (gradient_clip_val) or check the data"
+        )
+
+    def non_finite_source(self) -> str:
+        """Where the last training batch first produced a non-finite value (a collective: call on every rank)."""
+        local = [(index, block) for index, module in sorted(self.stage_modules.items())
+                 for block in [module.first_non_finite()] if block is not None]
+        for rank, blocks in enumerate(faults.gather(lambda: local)):
+            for stage, block in blocks:
+                replica, pipeline_rank = self.layout.coordinates(rank)
+                return f"block {block} (stage {stage}, pipeline rank {pipeline_rank}, replica {replica})"
+        return f"block {self.model.block_names[-1]} or the loss (every earlier block's output was finite)"
+
+    def reset_state(self, mode: str) -> None:
+        """Forget the recurrent state carried across batches in ``"train"`` or ``"eval"`` mode (if any)."""
+        reset = getattr(self.model, "reset_state", None)
+        if reset is not None:
+            reset(mode)
+
+    @property
+    def cached_shapes(self) -> list[tuple[int, int, str]]:
+        """Keys ``(rows, length, mode)`` of the stages + schedules kept now."""
+        return sorted(self._schedules)
+
+    # ----- helpers -----------------------------------------------------------------------------------------
+    def prepare(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This replica's inputs and targets, rows first, padded to a multiple of the microbatch count, and its real
+        row count."""
+        prepare = getattr(self.model, "prepare_batch", None)
+        inputs, targets = prepare(batch) if prepare is not None else (batch[0], batch[1])
+        replicas = self.layout.data_parallel_size
+        if self.global_batches and replicas > 1:
+            if inputs.shape[0] < replicas:
+                raise ValueError(f"a global batch of {inputs.shape[0]} rows cannot be shared by data_parallel_size="
+                                 f"{replicas} replicas; use batches of at least {replicas} sequences")
+            inputs = inputs.tensor_split(replicas)[self.data_parallel_rank]
+            targets = targets.tensor_split(replicas)[self.data_parallel_rank]
+        rows = int(inputs.shape[0])
+        # Ragged batches get rows that add nothing to the loss, so the microbatches split evenly.
+        extra = -rows % self.layout.n_microbatches
+        if extra:
+            inputs, targets = self.model.pad_rows(inputs, targets, extra)
+        return inputs, targets, rows
+
+    def _set_mode(self, train: bool) -> None:
+        for module in self.stage_modules.values():
+            module.train(train)
+
+    def _loss_context(self) -> Any:
+        make = getattr(self.model, "loss_context", None)
+        return make() if make is not None else nullcontext()
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Torch's schedules and the wavefront compute the loss right after the last stage's forward of the microbatch.
+        last = self.stage_modules[self.layout.num_stages - 1]
+        return self.model.microbatch_loss(logits, targets, None if last.inferring_shapes else last.microbatch)
+
+    def _schedule(self, shape: torch.Size, mode: str) -> Any:
+        key = (int(shape[0]), int(shape[1]), mode)
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            schedule = self._build_schedule(with_loss=mode != "predict", rows=key[0], length=key[1])
+            self._schedules[key] = schedule
+            while len(self._schedules) > self.max_cached_shapes:
+                self._schedules.popitem(last=False)
+        self._schedules.move_to_end(key)
+        return schedule
+
+    def _build_schedule(self, with_loss: bool, rows: int, length: int) -> Any:
+        layout = self.layout
+        if layout.style == "wavefront":  # this library's own loop: chunks of the time axis
+            return WavefrontSchedule(self.stage_modules, layout, self.groups.pipeline, self.device, rows, length,
+                                     layout.time_chunks, self._loss_fn if with_loss else None)
+        stages = [Stage(module, index, layout.num_stages, self.device, group=self.groups.pipeline)
+                  for index, module in self.stage_modules.items()]
+        schedule_cls = get_schedule_class(layout.schedule)
+        target = stages[0] if layout.style == "single" else stages
+        return schedule_cls(target, layout.n_microbatches, loss_fn=self._loss_fn if with_loss else None,
+                            scale_grads=False)
+
+    def _broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's value of ``tensor`` (same shape and dtype everywhere) on every rank of the pipeline."""
+        if not _shared(self.groups.pipeline):
+            return tensor
+        tensor = tensor.contiguous()
+        dist.broadcast(tensor, group=self.groups.pipeline, group_src=self._last_stage_rank)
+        return tensor
+
+    def _broadcast_predictions(self, result: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The last stage's predictions (``None`` elsewhere) on every rank of the pipeline: their shapes and dtypes
+        first (the model decides them), then the tensors."""
+        if not _shared(self.groups.pipeline):
+            assert result is not None
+            return result
+        # The shapes and dtypes over the object group (every rank's entry, gloo), the tensors over the pipeline group.
+        last = dist.get_global_rank(self.groups.pipeline, self._last_stage_rank)
+        shapes = faults.gather(lambda: {k: (tuple(v.shape), v.dtype) for k, v in result.items()}
+                               if result is not None else None)[last]
+        return {key: self._broadcast_from_last(result[key] if result is not None else
+                                               torch.empty(shape, dtype=dtype, device=self.device))
+                for key, (shape, dtype) in shapes.items()}
+
+    def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not _shared(self.groups.data_parallel):
+            return tensor
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=self.groups.data_parallel)
+        return tensor

@@ -1,0 +1,246 @@
+"""A pipeline stage: a run of blocks (:class:`StageModule`), its own random stream, and the ``PipelineStage`` that
+torch's schedules run (:class:`Stage`), which reports to the timeline.
+
+A stage module holds views onto the model's blocks (parameters shared, never copied). Everything that crosses a
+stage boundary is made contiguous here: gloo refuses views, and a batch-first LSTM's input gradient is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from typing_extensions import override
+
+from lightning_mp_lstm.models.blocks import TimeChunk
+from lightning_mp_lstm.timeline.recorder import RECORDER
+
+__all__ = ["ContiguousGrad", "Stage", "StageModule", "StageRandomness"]
+
+
+class ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    The gradient a stage sends upstream must be contiguous (gloo refuses views); the gradient of a
+    batch-first LSTM input is a transposed view.
+    """
+
+    @staticmethod
+    @override
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class StageRandomness:
+    """The random number stream of one pipeline stage of one replica (dropout masks).
+
+    Every process starts from the same global random state, so without this stage 1's first dropout mask
+    would equal stage 0's. Each stage draws from its own stream instead, seeded from ``(seed, replica,
+    stage)``: independent across stages and replicas, identical for the same seed.
+
+    Args:
+        seed: the run's seed (Lightning's ``seed_everything`` value).
+        replica: data-parallel rank.
+        stage: global pipeline stage index.
+        device: where the stage runs (its generator is the one dropout uses there).
+    """
+
+    def __init__(self, seed: int, replica: int, stage: int, device: torch.device) -> None:
+        stream_seed = int(np.random.SeedSequence([seed % 2**63, replica, stage]).generate_state(1, np.uint64)[0])
+        self.device = device
+        self._cpu = torch.Generator().manual_seed(stream_seed).get_state()
+        self._accelerator = None
+        if device.type == "cuda":
+            generator = torch.Generator(device=device)
+            generator.manual_seed(stream_seed)
+            self._accelerator = generator.get_state()
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Draw from this stage's stream inside the block; the global stream is untouched."""
+        saved_cpu = torch.get_rng_state()
+        torch.set_rng_state(self._cpu)
+        saved_accelerator = None
+        if self._accelerator is not None:
+            saved_accelerator = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(self._accelerator, self.device)
+        try:
+            yield
+        finally:
+            self._cpu = torch.get_rng_state()
+            torch.set_rng_state(saved_cpu)
+            if saved_accelerator is not None:
+                self._accelerator = torch.cuda.get_rng_state(self.device)
+                torch.cuda.set_rng_state(saved_accelerator, self.device)
+
+
+class StageModule(nn.Module):
+    """A contiguous run of model blocks acting as one pipeline stage.
+
+    In training it draws dropout masks from its own :class:`StageRandomness` (when given) and notes, without
+    synchronizing, whether each block's output stayed finite, so a non-finite loss can be traced to the
+    first block that produced one (:meth:`first_non_finite`).
+
+    Args:
+        blocks: ``(name, module)`` pairs in model order; the modules are shared, not copied.
+        randomness: this stage's random stream; ``None`` uses the global one.
+        last_block: the model's last block (its output feeds the loss, which is checked itself).
+        microbatch_context: the model's ``microbatch_context`` (optional in the contract): entered around each
+            forward with the microbatch's index, so a model can keep per-row state (``None`` while inferring
+            shapes).
+    """
+
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], randomness: StageRandomness | None = None,
+                 last_block: str | None = None,
+                 microbatch_context: Callable[[int | None], AbstractContextManager[Any]] | None = None) -> None:
+        super().__init__()
+        self.block_names = [name for name, _ in blocks]
+        self.blocks = nn.ModuleList(module for _, module in blocks)
+        self.randomness = randomness
+        # The model's last block feeds the loss, which is checked itself: its (large) output is not.
+        self._watched = [name != last_block for name in self.block_names]
+        self._finite: list[torch.Tensor | None] = [None] * len(self.block_names)
+        #: Set while torch's pipelining infers shapes: it runs the stage on uninitialized tensors.
+        self.inferring_shapes = False
+        #: The microbatch the next forward runs (set by the stage before each forward).
+        self.microbatch: int | None = None
+        #: The first time step of the chunk the next forward runs (wavefront pipelining; else 0).
+        self.time_start = 0
+        self._microbatch_context = microbatch_context or (lambda index: nullcontext())
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.requires_grad:
+            x = ContiguousGrad.apply(x)
+        watch = self.training and torch.is_grad_enabled() and not self.inferring_shapes
+        if self.inferring_shapes:
+            random = torch.random.fork_rng(devices=[self.randomness.device] if _on_cuda(self.randomness) else [])
+        elif self.randomness is not None and self.training:
+            random = self.randomness.active()
+        else:
+            random = _no_context()
+        with random, self._microbatch_context(None if self.inferring_shapes else self.microbatch):
+            for i, block in enumerate(self.blocks):
+                x = block(x)
+                if watch and self._watched[i] and x.is_floating_point():
+                    finite = torch.isfinite(x.detach().sum())  # NaN and infinity survive the sum: one pass, a scalar
+                    self._finite[i] = finite if self._finite[i] is None else self._finite[i] & finite
+        return x.contiguous()
+
+    @property
+    def recurrent_blocks(self) -> list[nn.Module]:
+        """The blocks that carry state along the time axis (those with a ``time_chunk`` slot), in order."""
+        return [block for block in self.blocks if hasattr(block, "time_chunk")]
+
+    def forward_chunk(self, x: torch.Tensor, initial: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                      index: int = 0, count: int = 1, start: int = 0
+                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Run chunk ``index`` of ``count`` of the time axis (its first step: ``start``): each recurrent block starts
+        from its entry of ``initial`` (``None``: the state carried across batches, or zeros) and the final states come
+        back with their autograd graph.
+
+        Returns:
+            The stage's output and one ``(h, c)`` per recurrent block (:attr:`recurrent_blocks`).
+        """
+        blocks = self.recurrent_blocks
+        chunks = [TimeChunk(initial[j] if initial is not None else None, index, count) for j in range(len(blocks))]
+        for block, chunk in zip(blocks, chunks):
+            block.time_chunk = chunk
+        self.time_start = start
+        try:
+            out = self(x)
+        finally:
+            self.time_start = 0
+            for block in blocks:
+                block.time_chunk = None
+        return out, [chunk.final for chunk in chunks]
+
+    def reset_finite_checks(self) -> None:
+        """Forget the finite-output notes (before each training batch)."""
+        self._finite = [None] * len(self.block_names)
+
+    def first_non_finite(self) -> str | None:
+        """The first of this stage's blocks whose output was not finite since the last reset, if any."""
+        for name, finite in zip(self.block_names, self._finite):
+            if finite is not None and not bool(finite):
+                return name
+        return None
+
+
+@contextmanager
+def _no_context() -> Iterator[None]:
+    yield
+
+
+def _on_cuda(randomness: StageRandomness | None) -> bool:
+    return randomness is not None and randomness.device.type == "cuda"
+
+
+class Stage(PipelineStage):
+    """``PipelineStage`` that tells its module when it runs only to infer shapes.
+
+    torch infers the shapes a stage sends from a first forward (and backward) on uninitialized tensors; that
+    pass must neither draw dropout masks nor count as a non-finite output.
+    """
+
+    @override
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        self.submod.inferring_shapes = True
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            self.submod.inferring_shapes = False
+
+    @override
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # The last stage computes the loss of the inferred outputs here: it is not a microbatch's piece of the loss.
+        self.submod.inferring_shapes = True
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            self.submod.inferring_shapes = False
+
+    # The timeline (lightning_mp_lstm.timeline): spans of computation, tags on the point-to-point operations.
+    @override
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.microbatch = fwd_chunk_id  # a model that carries state per microbatch reads it
+        with RECORDER.span("forward", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    @override
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
+        kind = "backward" if full_backward else "backward_input"
+        with RECORDER.span(kind, self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
+
+    @override
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with RECORDER.span("backward_weight", self.stage_index, bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    @override
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> Any:
+        return RECORDER.tag(super().get_fwd_recv_ops(fwd_chunk_id), "recv", "forward", self.stage_index, fwd_chunk_id)
+
+    @override
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> Any:
+        return RECORDER.tag(super().get_fwd_send_ops(fwd_chunk_id), "send", "forward", self.stage_index, fwd_chunk_id)
+
+    @override
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> Any:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        return RECORDER.tag(ops, "recv", "backward", self.stage_index, bwd_chunk_id)
+
+    @override
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> Any:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        return RECORDER.tag(ops, "send", "backward", self.stage_index, bwd_chunk_id)

@@ -1,0 +1,239 @@
+"""Which layout to pick: predicted step times of the candidate layouts for the devices at hand.
+
+From the model's blocks timed on this machine (one thread) and a measured :class:`Calibration` (how much faster
+one process runs on several threads, how fast processes exchange bytes), :func:`advise` predicts the seconds per
+training step of every way to use ``devices`` processes: one process with all cores, data parallel, pipelines
+(each partition balanced by the measured times and the best number of microbatches), wavefront pipelines (the
+time axis split into chunks, rows x chunks; :mod:`lightning_mp_lstm.pipeline.wavefront`) and their products, and orders
+them. The step-time model is the plan's (:func:`~lightning_mp_lstm.planning.plan.step_time`, over ``m x k`` units for a
+wavefront), plus the bytes a layout moves between processes.
+
+The advice is for CPUs: it calibrates CPU threads and a host memory copy, and names candidates by cores. On any
+other device :func:`calibrate` and :func:`advise` refuse (:func:`check_device`); measure the layouts there instead
+(``python benchmarks/run.py --device cuda``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.planning import profile
+from lightning_mp_lstm.planning.layout import LayoutError, ParallelLayout
+from lightning_mp_lstm.planning.partition import partition_blocks
+from lightning_mp_lstm.planning.plan import ChunkCost, microbatch_candidates, step_time
+
+__all__ = ["Calibration", "Candidate", "advise", "calibrate", "check_device", "render"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What this machine does beyond one thread on one block.
+
+    Attributes:
+        thread_speedup: threads -> how much faster the whole model's forward + backward runs than on one thread.
+        bandwidth: bytes per second one process moves to another (point-to-point and all-reduce).
+    """
+
+    thread_speedup: tuple[tuple[int, float], ...]
+    bandwidth: float
+
+    def speedup(self, threads: int) -> float:
+        """The best speed-up measured with at most ``threads`` threads (a process can always use fewer: at least
+        1x)."""
+        known = dict(self.thread_speedup)
+        return max([known[t] for t in known if t <= threads] or [1.0])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to use the devices, and its predicted seconds per step."""
+
+    name: str
+    data_parallel_size: int
+    pipeline_parallel_size: int
+    n_microbatches: int
+    partition: tuple[tuple[str, ...], ...]
+    threads_per_process: int
+    predicted_seconds: float
+    time_chunks: int = 1
+
+
+def check_device(device: torch.device | str) -> None:
+    """Raise ``ValueError`` unless ``device`` is a CPU: what the advice measures and predicts is CPU-only.
+
+    On a GPU a process's speed does not grow with CPU threads, and processes exchange bytes over NVLink, PCIe or the
+    network through NCCL, not through host memory, so predictions from this calibration would be meaningless.
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise ValueError(
+            f"lightning_mp_lstm.planning.advice predicts layouts for CPUs only, not for device {str(device)!r}: it "
+            "calibrates the speed-up of CPU threads and the bandwidth of a host memory copy, which say nothing about "
+            "GPUs (NVLink, PCIe, NCCL). On GPUs measure the layouts instead: python benchmarks/run.py --device cuda "
+            "(its layouts section times each layout's training steps on the GPUs)")
+
+
+def calibrate(model: Any, rows: int, length: int, device: torch.device, threads: Sequence[int] = (),
+              bandwidth: float | None = None) -> Calibration:
+    """Measure the thread speed-up of the whole model (blocks chained, forward + backward) for each count in
+    ``threads`` (default: every power of two up to the CPU count) and, unless given, the bytes per second of a
+    local copy between processes (estimated from a memory copy of a 64 MiB buffer, halved for the transport).
+
+    Raises:
+        ValueError: ``device`` is not a CPU (:func:`check_device`).
+    """
+    check_device(device)
+    blocks = pipeline_model(model)
+    counts = sorted(set(threads) or {t for t in (1, 2, 4, 8, 16, 32, 64) if t <= (os.cpu_count() or 1)}) or [1]
+    before = torch.get_num_threads()
+    seconds = {}
+    try:
+        for count in sorted({1, *counts}):
+            torch.set_num_threads(count)
+            seconds[count] = sum(profile.block_seconds(blocks, blocks.block_names, rows, length, device, repeats=3,
+                                                       warmup=1).values())
+    finally:
+        torch.set_num_threads(before)
+    if bandwidth is None:
+        source = torch.empty(64 * 2**20, dtype=torch.uint8)
+        target = torch.empty_like(source)
+        start = time.perf_counter()
+        target.copy_(source)
+        bandwidth = source.numel() / max(time.perf_counter() - start, 1e-9) / 2
+    return Calibration(tuple((c, seconds[1] / seconds[c]) for c in counts), float(bandwidth))
+
+
+def _block_bytes(model: Any, name: str, rows: int, length: int) -> int:
+    """Bytes of the activation that enters block ``name`` (what crosses a stage boundary before it)."""
+    example = model.example_input(name, rows, length, torch.device("meta"))
+    return example.numel() * example.element_size()
+
+
+def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch.device, calibration: Calibration,
+           schedule: str = "1F1B", cores: int | None = None, max_microbatches: int = 32,
+           time_chunks: Sequence[int] = (2, 4, 8, 16)) -> list[Candidate]:
+    """Every way to run ``model`` on ``devices`` processes, fastest predicted first.
+
+    Args:
+        model: a LightningModule with a pipeline declaration, or its pipeline view (possibly on the meta device).
+        devices: processes available.
+        batch_rows: sequences per global batch; ``length``: their mean padded length.
+        device: where to time blocks (one process's device).
+        calibration: from :func:`calibrate`.
+        schedule: the pipeline schedule of the pipelined candidates.
+        cores: CPU cores to share between the processes (default: the CPU count).
+        max_microbatches: the most microbatches considered.
+        time_chunks: the chunk counts of the wavefront candidates (at most ``length``; each with 1, 2 or 4 row
+            microbatches); empty: none. Block times at the shortest chunk are measured too, and each block's time is
+            taken as linear in the length between the two (:class:`~lightning_mp_lstm.planning.plan.ChunkCost`).
+
+    Raises:
+        ValueError: ``device`` is not a CPU (:func:`check_device`).
+    """
+    check_device(device)
+    cores = cores or os.cpu_count() or 1
+    model = pipeline_model(model)
+    names = list(model.block_names)
+    parameters = model.analytic_costs("parameters", 1, length)
+    cache: dict[tuple[int, int], dict[str, float]] = {}
+    chunks = sorted({k for k in time_chunks if 1 < k <= length})
+    short = -(-length // chunks[-1]) if chunks else length
+
+    def times(rows: int, steps: int = length) -> dict[str, float]:
+        if (rows, steps) not in cache:
+            before = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                cache[(rows, steps)] = profile.block_seconds(model, names, rows, steps, device, repeats=3, warmup=1)
+            finally:
+                torch.set_num_threads(before)
+        return cache[(rows, steps)]
+
+    def wavefront(prefix: str, dp: int, pp: int, rows: int, speed: float, threads: int) -> Candidate | None:
+        """The fastest rows x chunks pair of a ``pp``-stage wavefront pipeline."""
+        best: Candidate | None = None
+        for m in (m for m in (1, 2, 4) if rows % m == 0 and m <= rows):
+            whole, part = times(rows // m), times(rows // m, short)
+            partition = partition_blocks(names, whole, pp)
+            costs = [ChunkCost.fit((length, sum(whole[b] for b in stage) / speed),
+                                   (short, sum(part[b] for b in stage) / speed)) for stage in partition]
+            for k in chunks:
+                steps = -(-length // k)
+                transfer = max(2 * _block_bytes(model, stage[0], rows // m, steps) / calibration.bandwidth
+                               for stage in partition[1:])
+                seconds = step_time([c.seconds(steps) + transfer for c in costs], m * k)
+                seconds += max(all_reduce_seconds(stage, dp) for stage in partition)
+                if best is None or seconds < best.predicted_seconds:
+                    best = Candidate(f"{prefix} wavefront, m={m} x k={k}", dp, pp, m, tuple(map(tuple, partition)),
+                                     threads, seconds, time_chunks=k)
+        return best
+
+    def all_reduce_seconds(blocks: Sequence[str], replicas: int) -> float:
+        if replicas == 1:
+            return 0.0
+        nbytes = 4 * sum(parameters[b] for b in blocks)
+        return 2 * (replicas - 1) / replicas * nbytes / calibration.bandwidth
+
+    candidates = [Candidate(f"1 process ({cores} threads)", 1, 1, 1, (tuple(names),), cores,
+                            sum(times(batch_rows).values()) / calibration.speedup(cores))]
+    for pp in range(1, devices + 1):
+        if devices % pp or pp > len(names):
+            continue
+        dp = devices // pp
+        threads = max(1, cores // devices)
+        speed = calibration.speedup(threads)
+        rows = batch_rows // dp
+        if rows < 1:
+            continue
+        if pp == 1:
+            seconds = sum(times(rows).values()) / speed + all_reduce_seconds(names, dp)
+            if dp > 1:
+                candidates.append(Candidate(f"dp{dp}", dp, 1, 1, (tuple(names),), threads, seconds))
+            continue
+        try:
+            layout = ParallelLayout(dp, pp, 1, schedule, pp)
+            counts = microbatch_candidates(layout, rows, max_microbatches)
+        except LayoutError:
+            continue
+        best: Candidate | None = None
+        for m in counts:
+            per_block = times(rows // m)
+            partition = partition_blocks(names, per_block, pp)
+            per_rank = [sum(per_block[b] for b in stage) / speed for stage in partition]
+            # Each boundary sends activations forward and gradients back once per microbatch.
+            transfer = max(2 * _block_bytes(model, stage[0], rows // m, length) / calibration.bandwidth
+                           for stage in partition[1:])
+            seconds = step_time([t + transfer for t in per_rank], m)
+            seconds += max(all_reduce_seconds(stage, dp) for stage in partition)
+            prefix = f"dp{dp} x pp{pp}" if dp > 1 else f"pp{pp}"
+            option = Candidate(f"{prefix} balanced, m={m}", dp, pp, m, tuple(map(tuple, partition)), threads,
+                               seconds)
+            if best is None or option.predicted_seconds < best.predicted_seconds:
+                best = option
+        if best is not None:
+            candidates.append(best)
+        if chunks:
+            option = wavefront(f"dp{dp} x pp{pp}" if dp > 1 else f"pp{pp}", dp, pp, rows, speed, threads)
+            if option is not None:
+                candidates.append(option)
+    return sorted(candidates, key=lambda c: c.predicted_seconds)
+
+
+def render(candidates: Sequence[Candidate], tokens: float | None = None) -> str:
+    """A table of the candidates, fastest first, with the ratio to the fastest (and tokens/s when given)."""
+    best = candidates[0].predicted_seconds
+    header = "layout                           threads  predicted s/step  x fastest"
+    lines = [header + ("  tokens/s" if tokens else "")]
+    for c in candidates:
+        seconds = c.predicted_seconds
+        line = f"{c.name:<32} {c.threads_per_process:>7}  {seconds:>16.4f}  {seconds / best:>9.2f}"
+        lines.append(line + (f"  {tokens / seconds:>8,.0f}" if tokens else ""))
+    lines.append(f"expected fastest: {candidates[0].name}")
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""From a module, a layout and the strategy's options to a checked plan and a running engine: the steps of the
+strategy's setup, one function each. The strategy calls them; they know nothing of Lightning's Trainer."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.pytorch.plugins.precision import Precision
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_mp_lstm.base.faults import PeerDirectory, setup_object_group
+from lightning_mp_lstm.models.binding import bind
+from lightning_mp_lstm.models.contract import PipelineModel, check_data
+from lightning_mp_lstm.models.declaration import ModelDeclarationError
+from lightning_mp_lstm.models.module_audit import NotReproducedWarning, audit, parameters_outside, render_findings
+from lightning_mp_lstm.pipeline.engine import PipelineEngine, ProcessGroups, build_engine
+from lightning_mp_lstm.pipeline.tied import TiedWeights
+from lightning_mp_lstm.planning.activations import check_activation_memory
+from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
+from lightning_mp_lstm.strategy.options import ProcessOptions
+from lightning_mp_lstm.strategy.precision import REFUSED_PRECISIONS
+
+__all__ = ["assemble_engine", "check_run", "make_verifier", "plan_run", "replica_rows", "report_not_reproduced",
+           "start_process_groups"]
+
+DEFAULT_ROWS = 32  # the batch assumed for planning when the data module does not say its own
+DEFAULT_LENGTH = 35
+
+
+def start_process_groups(
+    environment: ClusterEnvironment, backend: str, device: torch.device, layout: ParallelLayout, timeout: timedelta,
+) -> tuple[DeviceMesh, PeerDirectory | None]:
+    """Start the default process group (Lightning's ``_init_dist_connection``; a no-op when it runs already), the
+    layout's device mesh, the gloo object group and the directory of peers (for naming a lost rank).
+
+    Returns:
+        The mesh, and the peers (``None`` when no process group runs: a one-process mesh has no collectives).
+    """
+    _init_dist_connection(environment, backend, timeout=timeout, device_id=device if device.type != "cpu" else None)
+    mesh = layout.build_mesh(device.type, backend, timeout)
+    if not _distributed_is_initialized():
+        return mesh, None
+    setup_object_group()
+    return mesh, PeerDirectory.gather()
+
+
+def replica_rows(datamodule: Any, layout: ParallelLayout) -> int:
+    """Sequences in one replica's batch: the data module's ``batch_size`` over the data-parallel replicas."""
+    rows = getattr(datamodule, "batch_size", None) or DEFAULT_ROWS
+    return max(1, int(rows) // layout.data_parallel_size)
+
+
+def check_run(
+    blocks: PipelineModel, model_name: str, precision: Precision, layout: ParallelLayout, options: PlanOptions,
+    process: ProcessOptions, datamodule: Any = None, planned: bool = False, fitting: bool = True,
+    device: torch.device | None = None, local_processes: int = 1,
+) -> None:
+    """Everything about a run that can be wrong before its first collective (see ``MPLSTMStrategy.check``).
+
+    Args:
+        blocks: the model's pipeline declaration.
+        model_name: the module's class name, for messages.
+        precision: Lightning's precision plugin for the run.
+        layout: the resolved parallel layout.
+        options: the planning options (partition, microbatches).
+        process: the process options (batch checks).
+        datamodule: where the batch shape comes from.
+        planned: a plan exists already (``validate``/``test``/``predict`` after ``fit`` keep it).
+        fitting: the run trains (the batch must split into the microbatches; its activations must fit).
+        device: this process's device (the memory check's budget; ``None``: not checked).
+        local_processes: the processes on this node (they share its memory).
+    """
+    name = getattr(precision, "precision", None)
+    if getattr(precision, "scaler", None) is not None or name in REFUSED_PRECISIONS:
+        raise ValueError(f"precision={name!r} (float16) is not supported: the pipeline runs backward itself, "
+                         "without a loss scaler, on a loss divided by the global token count; use "
+                         "precision='32-true', 'bf16-mixed' (LSTMs in float32) or 'bf16-true'")
+    options.check(blocks.block_names, layout)
+    if layout.tensor_parallel_size > 1:
+        if not hasattr(blocks, "parallelize_vocabulary"):
+            raise TypeError(f"tensor_parallel_size={layout.tensor_parallel_size} needs a model that splits its "
+                            f"vocabulary layers (parallelize_vocabulary(mesh)); {model_name}'s has none")
+        check_tensor_parallel = getattr(blocks, "check_tensor_parallel", None)
+        if check_tensor_parallel is not None:
+            check_tensor_parallel(layout.tensor_parallel_size)
+    if planned:
+        return
+    measured = options.partition == "balanced" and options.balance_by == "time"
+    if measured or options.auto_microbatches or options.auto_time_chunks:
+        check_data(datamodule, "partition='balanced' with balance_by='time'" if measured
+                   else "n_microbatches='auto'" if options.auto_microbatches else "time_chunks='auto'")
+    if options.auto_microbatches:
+        microbatch_candidates(layout, replica_rows(datamodule, layout), options.max_microbatches)
+    elif fitting:
+        process.check_batch(layout, datamodule)
+    if layout.time_chunks > 1 and not options.auto_time_chunks:
+        layout.check_time_chunks(getattr(datamodule, "bucket_lengths", None) or [])
+    if fitting and device is not None:
+        check_activation_memory(blocks, layout, datamodule, *process.memory_budget(device, local_processes))
+
+
+def plan_run(
+    blocks: PipelineModel, layout: ParallelLayout, options: PlanOptions, datamodule: Any, precision: Precision,
+    device: torch.device,
+) -> PipelinePlan:
+    """The run's plan, with blocks timed (where the options measure) in the dtypes they will train in."""
+    length = getattr(datamodule, "mean_padded_length", None) or DEFAULT_LENGTH
+    with precision.tensor_init_context(), precision.forward_context():
+        return make_plan(blocks, layout, options, replica_rows(datamodule, layout), max(1, round(length)), device,
+                         getattr(datamodule, "bucket_lengths", None))
+
+
+def assemble_engine(
+    module: torch.nn.Module, blocks: PipelineModel, plan: PipelinePlan, mesh: DeviceMesh, rank: int,
+    device: torch.device, aliases: dict[str, str],
+) -> PipelineEngine:
+    """Prune ``module`` to this process's stages and build the engine that runs them: tensor-parallel vocabulary
+    layers on the mesh's ``tensor_parallel`` dimension, and the tied-weight groups of the copies this process
+    holds (after pruning)."""
+    layout = plan.layout
+    data_parallel_rank, pipeline_rank = layout.coordinates(rank)[:2]
+    engine = build_engine(blocks, layout, plan.partition, pipeline_rank, data_parallel_rank, ProcessGroups.of(mesh),
+                          device, seed=torch.initial_seed())
+    if layout.tensor_parallel_size > 1:
+        blocks.parallelize_vocabulary(mesh["tensor_parallel"])
+    engine.tied = TiedWeights.build(module, aliases, layout)
+    return engine
+
+
+def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: bool = True) -> None:
+    """Name, before training, what the pipeline would not reproduce of ``module`` 's own training step
+    (:mod:`~lightning_mp_lstm.models.module_audit`): parameters outside the declared blocks stop the run (they would
+    never be trained); everything else is one :class:`~lightning_mp_lstm.models.module_audit.NotReproducedWarning` (when
+    ``warn``: on one rank).
+
+    Raises:
+        ModelDeclarationError: parameters no declared block holds.
+    """
+    declaration = getattr(blocks, "declaration", None)
+    if declaration is None or getattr(blocks, "module", None) is not module:
+        return  # a custom pipeline model: it says itself what it runs
+    name = type(module).__name__
+    outside = parameters_outside(module, [declaration.embedding, declaration.lstm, declaration.decoder])
+    if outside:
+        raise ModelDeclarationError(
+            f"{name} has parameters outside its declared blocks, which the pipeline would never train: "
+            f"{', '.join(outside)}. mp_lstm splits embedding -> LSTM layers -> decoder; move them into those "
+            "modules, or keep this model on one process")
+    findings = audit(module, declaration)
+    if findings and warn:
+        warnings.warn(render_findings(name, findings), NotReproducedWarning, stacklevel=2)
+
+
+def make_verifier(module: torch.nn.Module, blocks: PipelineModel, reference: bool, device: torch.device,
+                  precision: Precision) -> Any:
+    """The :class:`~lightning_mp_lstm.strategy.verify.Verifier` of ``module`` 's declaration
+    (``MPLSTMStrategy(verify=True)``): with ``reference`` (global rank 0), a whole copy of the module as it will train
+    (real values on ``device``, in the run's precision), taken before the pipeline prunes it."""
+    from lightning_mp_lstm.strategy.verify import Verifier  # only for verify=True
+
+    declaration = getattr(blocks, "declaration", None)
+    if declaration is None:
+        raise TypeError("verify=True compares a module with its LSTMBlocks declaration; a custom pipeline model has "
+                        "no training_step of its own to compare with")
+    copy_ = None
+    if reference:
+        copy_ = copy.deepcopy(module)
+        view = bind(declaration, copy_, blocks.seed)
+        view.materialize_blocks(view.block_names, device)
+        copy_ = precision.convert_module(copy_.to(device))
+    return Verifier(copy_, blocks.block_names, declaration.time_first, declaration.log_name, declaration.lstm)

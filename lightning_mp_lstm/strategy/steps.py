@@ -1,0 +1,111 @@
+"""The step hooks of Lightning's ``Strategy`` for a pipeline: ``MPLSTMStrategy`` takes them from
+:class:`PipelineSteps`. Each runs the batch through the engine under the precision plugin's context and logs the loss
+and the terms of the module's declared loss and penalty; the module's own ``*_step`` methods are not called (the
+pieces its declaration names are, in the stages that hold their inputs)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mp_lstm.models.metrics import LanguageModelMetrics
+from lightning_mp_lstm.pipeline.engine import PipelineEngine
+from lightning_mp_lstm.planning import report
+from lightning_mp_lstm.strategy.precision import PipelinePrecision
+
+if TYPE_CHECKING:
+    from lightning_mp_lstm.strategy.verify import Verifier
+
+__all__ = ["PipelineSteps"]
+
+
+class PipelineSteps:
+    """Lightning's training, validation, test and prediction steps and the hooks that start an epoch or an
+    evaluation, mixed into a Lightning ``Strategy`` that gives the engine, the precision plugin, the metrics and the
+    step clock (:class:`~lightning_mp_lstm.planning.report.StepClock`) of the report after the first steps."""
+
+    engine: PipelineEngine
+    precision_plugin: PipelinePrecision
+    lightning_module: Any
+    root_device: Any
+    report: str
+    _metrics: LanguageModelMetrics
+    _step_clock: report.StepClock
+    _measurements: report.Measurements | None
+    _verifier: Verifier | None
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the batch forward and backward through the pipeline (the gradients wait in the precision plugin for
+        Lightning's ``backward``); log and return its loss."""
+        trainer = self.lightning_module.trainer
+        with self.precision_plugin.train_step_context():
+            result = self.engine.forward_backward(batch, accumulation=trainer.accumulate_grad_batches)
+        self.engine.check_finite(result.loss, f"global step {trainer.global_step} (epoch {trainer.current_epoch}, "
+                                              f"batch_idx {batch_idx})")
+        self._metrics.log(self.lightning_module, "train", result.loss, result.tokens, _rows(batch), result.weights,
+                          result.terms)
+        return result.loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        return self._evaluate(batch, "val", self.precision_plugin.val_step_context())
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        return self._evaluate(batch, "test", self.precision_plugin.test_step_context())
+
+    def _evaluate(self, batch: Any, split: str, context: Any) -> Tensor:
+        with context:
+            result = self.engine.evaluate(batch)
+        self._metrics.log(self.lightning_module, split, result.loss, result.tokens, _rows(batch), result.weights,
+                          result.terms)
+        return result.loss
+
+    @override
+    def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """The model's predictions of the batch (for a language model: per-token target log-probabilities,
+        next-token ids and the target mask), identical on every rank."""
+        with self.precision_plugin.predict_step_context():
+            return self.engine.predict(batch)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:  # a new epoch: the stream starts again
+            self.engine.reset_state("train")
+            self._metrics.start_epoch()
+        if self._verifier is not None and not self._verifier.done:
+            self._run_verification(batch)
+        if self._step_clock.tick():  # time every stage on its own process at this batch's shape; report on rank 0
+            with self.precision_plugin.forward_context():
+                self._measurements = report.measure(self.engine, batch, self.root_device, self._step_clock.intervals)
+            rank_zero_info(report.measured_line(self.plan, self._measurements, self._step_clock.after_steps))
+
+    def _run_verification(self, batch: Any) -> None:
+        from lightning_mp_lstm.strategy.verify import STEPS, VerificationError  # only for verify=True
+
+        module = self.lightning_module
+        layout = self.engine.layout
+        title = (f"mp_lstm verify: {type(module).__name__}.training_step on one process against the pipeline "
+                 f"(data x pipeline x tensor = {layout.data_parallel_size} x {layout.pipeline_parallel_size} x "
+                 f"{layout.tensor_parallel_size}, {layout.schedule}, {layout.n_microbatches} microbatches), {STEPS} "
+                 "steps on the first training batch, random draws equal")
+        comparison = self._verifier.run(self.engine, module, batch, module.trainer, title,
+                                        self.precision_plugin.inner.train_step_context)
+        if not comparison.ok:
+            raise VerificationError(comparison.table())
+        rank_zero_info(comparison.table())
+
+    @override
+    def on_validation_start(self) -> None:
+        self.engine.reset_state("eval")
+
+    on_test_start = on_predict_start = on_validation_start  # every evaluation starts the stream again
+
+
+def _rows(batch: Any) -> int:
+    """Sequences in this replica's batch (for Lightning's logging weights)."""
+    return int(batch[0].shape[0])

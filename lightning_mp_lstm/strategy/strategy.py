@@ -1,0 +1,371 @@
+"""``MPLSTMStrategy``: pipeline (x data x tensor) parallel training of an LSTM language model, in Lightning.
+
+Shaped like Lightning's ``ModelParallelStrategy``: Lightning's launchers and cluster environments start the
+processes, the accelerator picks device and backend (gloo on CPU, nccl on CUDA), checkpoint IO and the precision
+are Lightning's. The strategy is plumbing: it asks the module for its declaration
+(:func:`~lightning_mp_lstm.models.binding.pipeline_model`), plans the partition once
+(:func:`~lightning_mp_lstm.planning.plan.make_plan`), and owns the
+:class:`~lightning_mp_lstm.pipeline.engine.PipelineEngine` that runs every training, evaluation and prediction batch;
+:class:`~lightning_mp_lstm.strategy.precision.PipelinePrecision` plugs the gradient reductions and the global-norm clip
+into Lightning's optimizer step. The module never holds the engine. Three families of Lightning hooks live in their own
+modules, each a thin call into one collaborator: the steps (:mod:`~lightning_mp_lstm.strategy.steps`, into the engine),
+the checkpoint hooks (:mod:`~lightning_mp_lstm.checkpoint.hooks`, into the checkpoint format) and the collectives
+(:mod:`~lightning_mp_lstm.strategy.collectives`); the options as the run resolved them (layout, plan, engine, ranks) are
+properties from :mod:`~lightning_mp_lstm.strategy.properties`, and setting up a run is
+:mod:`~lightning_mp_lstm.strategy.pipeline_setup`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightning_mp_lstm import checkpoint as ckpt
+from lightning_mp_lstm.base.faults import PeerDirectory
+from lightning_mp_lstm.base.validation import check_bool
+from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.models.metrics import LanguageModelMetrics
+from lightning_mp_lstm.pipeline.engine import PipelineEngine
+from lightning_mp_lstm.planning import report
+from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions
+from lightning_mp_lstm.strategy import summary
+from lightning_mp_lstm.strategy.collectives import StrategyCollectives
+from lightning_mp_lstm.strategy.launcher import JobLauncher
+from lightning_mp_lstm.strategy.options import ProcessOptions
+from lightning_mp_lstm.strategy.pipeline_setup import (
+    assemble_engine,
+    check_run,
+    make_verifier,
+    plan_run,
+    report_not_reproduced,
+    start_process_groups,
+)
+from lightning_mp_lstm.strategy.precision import PipelinePrecision, set_numerics
+from lightning_mp_lstm.strategy.properties import PipelineProperties
+from lightning_mp_lstm.strategy.steps import PipelineSteps
+from lightning_mp_lstm.strategy.stopping import StopOnSignal, check_stop_signals
+
+__all__ = ["MPLSTMStrategy"]
+
+
+class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, StrategyCollectives, ParallelStrategy):
+    """Split an LSTM language model into pipeline stages across processes.
+
+    ``Trainer(strategy="mp_lstm", devices=4)`` runs a 4-stage pipeline of any LightningModule that declares its
+    blocks in ``configure_pipeline()`` (:class:`~lightning_mp_lstm.LSTMBlocks`). Losses and gradients equal one
+    process on the same global batch. The strategy runs the module's training, validation, test and prediction steps
+    itself (through the pipeline) and logs the loss under the declaration's names.
+
+    Args:
+        pipeline_parallel_size: processes per pipeline; ``"auto"``: from the partition's stage count when it has
+            one (``"balanced4"``, explicit lists, ``"per_block"``), else world size / ``data_parallel_size``.
+        data_parallel_size: number of pipeline replicas; data is sharded across replicas only.
+        tensor_parallel_size: processes every stage's vocabulary layers (embedding rows, decoder columns) are split
+            over with torch's tensor-parallel API; the loss is computed on the sharded logits (``loss_parallel``).
+        data_parallel_weights: relative batch share of each replica, for unequal devices (MXNet's
+            ``work_load_list``); gradients stay exact because the loss is divided by the global batch's weight.
+        stages_per_rank: pipeline stages per process; ``None``: 1 for GPipe/1F1B, 2 for interleaved and V-shaped
+            schedules.
+        schedule: one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV
+            (torch's, splitting the batch's rows) or Wavefront (splitting its time axis; case-insensitive).
+        n_microbatches: microbatches per replica batch; default: the number of stages (1 for Wavefront); ``"auto"``:
+            the count with the lowest step time predicted from stage times measured at every candidate size.
+        time_chunks: chunks of every batch's time axis (Wavefront only), at most the shortest bucket; default: the
+            number of stages; ``"auto"``: with ``n_microbatches``, the rows x chunks pair with the lowest predicted
+            step time.
+        partition: ``"even"``, ``"balanced"`` (the exact contiguous split minimizing the slowest stage; see
+            ``balance_by``), ``"balanced<N>"`` (the same over N stages), ``"per_block"`` (one block per stage) or
+            one list of block names per stage.
+        balance_by: what ``"balanced"`` balances: ``"time"`` (forward + backward measured on the devices),
+            ``"flops"`` or ``"memory"``.
+        stage_speeds: relative speed of each stage's device for balancing (default: all equal).
+        report_after_steps: after this many training batches, time every stage and log one line with the measured
+            stage shares and step time (the whole table with them: :attr:`report`; ``None``: never).
+        checkpoint_format: ``"file"``: one checkpoint file, gathered on global rank 0 while saving (loads anywhere,
+            plain Lightning included); ``"sharded"``: a directory where every rank writes its own tensors with
+            ``torch.distributed.checkpoint`` (nothing is gathered; loads on any ``mp_lstm`` layout).
+        timeout: process-group timeout (seconds or ``timedelta``): a crashed rank ends the run instead of hanging
+            it.
+        num_threads: CPU threads per process; ``"auto"`` shares the machine's cores between the local processes.
+            Ignored on GPUs.
+        numerics: ``"default"`` (torch's float32 settings: TF32 in cuDNN RNNs on recent GPUs) or ``"exact"`` (IEEE
+            float32 and deterministic cuDNN kernels, to compare layouts with one process to 1e-5 on GPUs).
+        verify: before training on the first batch, compare the module's own ``training_step`` on one process with
+            the pipeline on it (:mod:`~lightning_mp_lstm.strategy.verify`); a difference stops the run, naming it.
+        process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
+        memory_per_process: GiB of memory one process may use (``"auto"``: the GPU's, or the machine's over its
+            processes): a run whose largest training batch needs more for its activations is refused before launch.
+        stop_signals: signals that stop every rank at a step boundary (the next but one) with a checkpoint
+            (:class:`~lightning_mp_lstm.strategy.stopping.StopOnSignal`, added to the Trainer); ``()``: Lightning's
+            handling.
+    """
+
+    strategy_name = "mp_lstm"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int | str = "auto",
+        data_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        data_parallel_weights: Sequence[float] | None = None,
+        stages_per_rank: int | None = None,
+        schedule: str = "1F1B",
+        n_microbatches: int | str | None = None,
+        time_chunks: int | str | None = None,
+        partition: Sequence[Sequence[str]] | str | None = "even",
+        balance_by: str = "time",
+        stage_speeds: Sequence[float] | None = None,
+        report_after_steps: int | None = 5,
+        checkpoint_format: str = "file",
+        timeout: float | timedelta = 300.0,
+        num_threads: int | str = "auto",
+        numerics: str = "default",
+        verify: bool = False,
+        process_group_backend: str | None = None,
+        memory_per_process: float | str = "auto",
+        stop_signals: Sequence[str] = ("SIGTERM",),
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
+                         checkpoint_io=checkpoint_io if checkpoint_io is not None else ckpt.AtomicCheckpointIO())
+        self._options = PlanOptions(partition="even" if partition is None else partition, balance_by=balance_by,
+                                    stage_speeds=tuple(stage_speeds) if stage_speeds is not None else None,
+                                    n_microbatches=n_microbatches, time_chunks=time_chunks)
+        self._process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
+                                       data_parallel_weights, stages_per_rank, schedule, checkpoint_format,
+                                       timeout, num_threads, numerics, memory_per_process)
+        self._process_group_backend = process_group_backend
+        self._stop_signals = tuple(s.name for s in check_stop_signals(stop_signals))
+        self.num_nodes = 1
+        self._layout: ParallelLayout | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self._plan: PipelinePlan | None = None
+        self._engine: PipelineEngine | None = None
+        self._engine_module: Any = None
+        self._metrics = LanguageModelMetrics()
+        self._measurements: report.Measurements | None = None
+        self._step_clock = report.StepClock(report_after_steps)
+        self._peers: PeerDirectory | None = None
+        self._model_names = ckpt.ModelNames()
+        self._checkpoints = ckpt.checkpoint_format(self._process.checkpoint_format)
+        self._verify = check_bool("verify", verify)
+        self._verifier: Any = None  # a verify.Verifier with verify=True
+        if self._process.fixed_world_size is not None:
+            self._resolve_layout(self._process.fixed_world_size)
+
+    # ----- Lightning plumbing ----------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        # The data module shards by data-parallel replica itself. A DistributedSampler injected by Lightning would
+        # also shard across pipeline stages, which must all see the same batch.
+        return False
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model must be pruned and the optimizers built before state is loaded
+
+    @property
+    @override
+    def precision_plugin(self) -> PipelinePrecision:
+        # Whatever Lightning chose from Trainer(precision=...), wrapped: the pipeline's backward, reductions, clip.
+        if self._pipeline_precision is None:
+            plugin = self._precision_plugin
+            self._pipeline_precision = plugin if isinstance(plugin, PipelinePrecision) else PipelinePrecision(plugin)
+        return self._pipeline_precision
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Kept as given (None until Lightning sets it): Lightning reads ``_precision_plugin`` as the user's choice.
+        self._precision_plugin = plugin
+        self._pipeline_precision: PipelinePrecision | None = None
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """With ``empty_init=True`` (``trainer.init_module(empty_init=True)``) the model is built on the meta
+        device: no process allocates blocks it will not hold; ``setup`` materializes this process's blocks."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning calls this when the Trainer is built: fail on a wrong process count before any launch.
+        world_size = self.num_nodes * self.num_processes
+        if world_size:
+            self._resolve_layout(world_size)
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        layout = self._resolve_layout(self.world_size)
+        # Everything that can be wrong is checked here, on every rank, before the first collective.
+        trainer = self.lightning_module.trainer
+        self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING)
+        if self.root_device.type == "cpu":
+            torch.set_num_threads(self._process.threads(self.num_processes))
+        set_numerics(self._process.numerics)
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device)
+        assert self.cluster_environment is not None
+        if self._device_mesh is None:
+            self._device_mesh, self._peers = start_process_groups(
+                self.cluster_environment, self._process_group_backend, self.root_device, layout, self._process.timeout)
+
+    def check(self, model: pl.LightningModule, datamodule: Any = None, fitting: bool = True) -> None:
+        """Check that this strategy can run ``model`` on ``datamodule``'s batches, without starting anything.
+
+        Runs on every rank before the first collective (so a bad setting fails everywhere at once instead of hanging
+        the others); call it yourself to fail before any process is launched. Needs a known layout (an explicit
+        ``pipeline_parallel_size``, or a strategy already attached to a Trainer).
+
+        Raises:
+            TypeError: the model declares no pipeline (the message shows what to add), or planning needs the data's
+                batch shape and the data module does not say it.
+            PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
+            LayoutError: ``n_microbatches`` does not fit the batch, or ``time_chunks`` the shortest bucket.
+            ActivationMemoryError: the largest training batch's activations cannot fit ``memory_per_process``.
+        """
+        blocks = self._blocks(model)
+        device = self.root_device if self.parallel_devices else None
+        check_run(blocks, type(model).__name__, self.precision_plugin, self.layout, self._options, self._process,
+                  datamodule, planned=self._plan is not None, fitting=fitting, device=device,
+                  local_processes=self.num_processes)
+        if self._engine_module is not model:  # the whole module, before pruning (each warning shows once)
+            report_not_reproduced(model, blocks, warn=self.global_rank == 0)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if self._stop_signals and not any(isinstance(c, StopOnSignal) for c in trainer.callbacks):
+            trainer.callbacks.append(StopOnSignal(self._stop_signals))
+        module = self.lightning_module
+        if self._engine is None or self._engine_module is not module:
+            if trainer.state.fn == TrainerFn.FITTING:
+                summary.install(trainer, module)  # the whole model's summary, before the engine prunes it
+            self._engine = self._build_engine(module, trainer)
+            self._engine_module = module
+        self.precision_plugin.engine = self._engine
+        # A data module that gives each replica its own share of every batch says so; other batches are global.
+        self._engine.global_batches = not getattr(trainer.datamodule, "shards_data_parallel", False)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> PipelineEngine:
+        blocks = pipeline_model(module)
+        self._metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"),
+                                             getattr(blocks, "reduction", "token_mean"))
+        if self._plan is None:
+            self._plan = plan_run(blocks, self.layout, self._options, trainer.datamodule, self.precision_plugin,
+                                  self.root_device)
+            if trainer.state.fn == TrainerFn.FITTING:
+                rank_zero_info(f"mp_lstm: {self._plan.layout}\npartition (costs by {self._plan.cost_kind}):\n"
+                               f"{self.report}")
+        if self._model_names.state_keys is None:  # the whole model, before pruning
+            self._model_names = ckpt.ModelNames.of(module)
+        if self._verify and trainer.state.fn == TrainerFn.FITTING and self._verifier is None:
+            self._verifier = make_verifier(module, blocks, self.global_rank == 0, self.root_device,
+                                           self.precision_plugin)
+        return assemble_engine(module, blocks, self._plan, self.device_mesh, self.global_rank, self.root_device,
+                               dict(self._model_names.aliases))
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the rank that failed when this rank's error is only the symptom of losing it."""
+        if self._peers is not None:
+            self._peers.explain(exception)
+
+    @override
+    def teardown(self) -> None:
+        # As Lightning's ModelParallelStrategy: the model and optimizer state stay on their devices (no round trip
+        # to the CPU between fit, validate and test; sharded parameters keep their device mesh's device).
+        assert self.cluster_environment is not None and self.accelerator is not None
+        if self._engine is not None:
+            self._engine.flush()
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    def shutdown(self) -> None:
+        """End the job: wait for the processes this strategy launched and release the process group, so that another
+        ``Trainer`` in this process (the next job of a Hydra multirun) starts its own set of processes.
+
+        Call it once no more ``fit``/``validate``/``test``/``predict`` calls will run with this strategy.
+        """
+        if isinstance(self._launcher, JobLauncher):
+            self._launcher.release()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        # Re-register a class re-created by ``importlib.reload`` of this module, so the name never yields a stale one.
+        if cls.strategy_name not in strategy_registry or strategy_registry[cls.strategy_name]["strategy"] is not cls:
+            strategy_registry.register(cls.strategy_name, cls, override=True,
+                                       description="pipeline (x data x tensor) parallel training of LSTM models")
+
