@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from lightning_mp_lstm.testing import free_port
 from tests.helpers import RELIABILITY_MESSAGES, ROOT, SMALL_SYNTHETIC, TINY_RUN, processes_in_group, start_command
 
-QUICK = [*TINY_RUN, *SMALL_SYNTHETIC, "trainer.max_steps=2", "evaluate=false", "optimized_metric=null",
+QUICK = [*TINY_RUN, *SMALL_SYNTHETIC, "trainer.max_steps=2", "evaluate=false",
          "~callbacks.timeline"]
 
 

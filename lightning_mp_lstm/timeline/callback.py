@@ -99,9 +99,12 @@ class PipelineTimeline(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.records or not trainer.is_global_zero:
+        if not self.records:
             return
+        # Every rank asks: Lightning's log_dir broadcasts rank 0's (a collective), so asking on rank 0 alone hangs.
         directory = self.directory or Path(trainer.log_dir or trainer.default_root_dir)
+        if not trainer.is_global_zero:
+            return
         directory.mkdir(parents=True, exist_ok=True)
         png, trace = directory / f"{self.filename}.png", directory / f"{self.filename}.json"
         draw(self.records[-1], png)
