@@ -13,6 +13,7 @@ timed around ``schedule.step``; for the strategy from the timeline recorder (``P
 recording costs time of its own), split into before the rank's first span and after its last.
 
     python benchmarks/overhead.py [--layout pp2] [--schedule 1F1B] [--steps 30] [--warmup 5] [--rounds 2]
+                                  [--rows 64] [--microbatches 8]
 
 ``benchmarks/run.py`` runs :func:`compare` in its own ranks (section ``strategy_overhead``), and
 ``benchmarks/when_to_use.py`` runs :func:`bare_loop`.
@@ -212,14 +213,16 @@ def strategy_fit(rank: int, steps: int, setup: Setup, record: tuple[int, ...] = 
 
 
 def outside_schedule(records: list[Any], rank: int) -> dict[str, float]:
-    """Median seconds of ``rank``'s recorded steps before its first span and after its last, and the steps' wall."""
+    """Median seconds of ``rank``'s recorded steps before its first span and from its last to its own end of the
+    step, and its steps' wall."""
     before, after, wall = [], [], []
     for record in records:
         mine = [span for span in record.spans if span.rank == rank]
         if mine:
+            end = record.rank_walls.get(rank, record.wall)
             before.append(min(span.start for span in mine))
-            after.append(record.wall - max(span.end for span in mine))
-            wall.append(record.wall)
+            after.append(end - max(span.end for span in mine))
+            wall.append(end)
     median = statistics.median
     return {"before": median(before), "after": median(after), "wall": median(wall)} if wall else {}
 
@@ -273,8 +276,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=Setup.rows, help="global batch: sequences")
+    parser.add_argument("--microbatches", type=int, default=Setup.microbatches, help="per replica batch")
     args = parser.parse_args()
-    setup = Setup(schedule=args.schedule, layout=args.layout)
+    setup = Setup(schedule=args.schedule, layout=args.layout, rows=args.rows, microbatches=args.microbatches)
     per_rank = run_ranks(_worker, setup.world_size, args.steps, args.warmup, setup, args.rounds, timeout=1800)
     summary = summarize(per_rank[0])
     print(f"model: {setup.num_layers} x LSTM {setup.hidden_size}, vocab {setup.vocab_size}, global batch {setup.rows} "

@@ -84,7 +84,8 @@ class PipelineTimeline(pl.Callback):
         stage_ranks = {s: layout.rank_of_stage(s) for s in range(num_stages)} if layout is not None else {0: 0}
         record = StepRecord(step=self._step, wall=max(w for _, w, _ in parts), spans=spans, tokens=tokens,
                             num_stages=num_stages, n_microbatches=layout.units if layout else 1,
-                            schedule=layout.schedule if layout else "none", stage_ranks=stage_ranks)
+                            schedule=layout.schedule if layout else "none", stage_ranks=stage_ranks,
+                            rank_walls={r: w for r, w, _ in parts})
         self.records.append(record)
         p = layout.pipeline_parallel_size if layout is not None else 1
         v = layout.stages_per_rank if layout is not None else 1
