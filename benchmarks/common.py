@@ -16,7 +16,7 @@ MODELS_DIR = ROOT / "conf" / "model"
 
 
 def ptb_dir() -> Path:
-    """The directory with ``ptb.valid.txt`` and ``ptb.test.txt`` (see :func:`lightning_mp_lstm.testing.ptb_dir`).
+    """The directory with ``ptb.valid.txt`` and ``ptb.test.txt`` (see :func:`lightning_mp_lstm.base.testing.ptb_dir`).
 
     Returns:
         ``$LIGHTNING_MP_LSTM_PTB_DIR`` when it is set, else ``../shared/data/ptb`` beside the repository.

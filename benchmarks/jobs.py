@@ -2,8 +2,8 @@
 
 A job is a dictionary (:mod:`benchmarks.specs` writes them; ``run.py`` adds its ``device``, ``cpu`` or ``cuda``)
 whose ``kind`` picks what a rank runs: ``fit`` (one
-``Trainer.fit`` with ``MPLSTMStrategy``), ``advice`` (``lightning_mp_lstm.advice``), ``overhead``
-(``benchmarks/strategy_overhead.py``) or ``memory`` (``benchmarks/memory.py``). Only public library names are used.
+``Trainer.fit`` with ``MPLSTMStrategy``), ``advice`` (``lightning_mp_lstm.planning.advice``), ``overhead``
+(``benchmarks/overhead.py``) or ``memory`` (``benchmarks/memory.py``). Only public library names are used.
 """
 
 from __future__ import annotations
@@ -174,16 +174,17 @@ def advice_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any
     return {"calibration": asdict(calibration), "candidates": [asdict(c) for c in candidates], "length": length}
 
 
-def overhead_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, list[float]]:
-    """``benchmarks/strategy_overhead.py``'s comparison on this rank of 2.
+def overhead_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``benchmarks/overhead.py``'s comparison on this rank of the job's layout.
 
     Returns:
-        The step intervals of the bare loop and of the strategy (:func:`strategy_overhead.compare`).
+        The step intervals of the bare loop and of the strategy and this rank's time outside the schedule
+        (:func:`overhead.compare`).
     """
-    from benchmarks import strategy_overhead
+    from benchmarks import overhead
 
-    setup = strategy_overhead.Setup(**job["setup"])
-    return strategy_overhead.compare(rank, job["steps"], job["warmup"], setup, rounds=job["rounds"])
+    setup = overhead.Setup(**job["setup"])
+    return overhead.compare(rank, job["steps"], job["warmup"], setup, rounds=job["rounds"])
 
 
 def memory_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
@@ -249,6 +250,8 @@ def merge(job: dict[str, Any], per_rank: list[Any]) -> Any:
         rank's ``peak_mib`` and ``floor_mib`` (lists by rank).
     """
     first = per_rank[0]
+    if job["kind"] == "overhead":  # every rank's time outside the schedule
+        return {**first, "outside": [(r["bare_outside"], r["strategy_outside"]) for r in per_rank]}
     if job["kind"] != "fit":
         return first
     replicas = {r["replica"]: r for r in reversed(per_rank)}  # the lowest rank of each replica

@@ -15,9 +15,9 @@ Sections (each a table; each goal gets a met / missed flag, a missed goal never 
 * ``partition_regret``: every contiguous 2-stage split against the ``balanced`` one, in the same run;
 * ``bucketing``: real tokens/s and padded-token fraction of the MXNet buckets, ``auto`` and pad-to-longest;
 * ``memory``: peak memory per rank (``benchmarks/memory.py``);
-* ``strategy_overhead``: ``MPLSTMStrategy`` in ``Trainer.fit`` against a bare pipelining loop
-  (``benchmarks/strategy_overhead.py``);
-* ``advice``: ``lightning_mp_lstm.advice``'s predicted order of layouts against the measured one;
+* ``strategy_overhead``: ``MPLSTMStrategy`` in ``Trainer.fit`` against a bare pipelining loop, pp2 and dp2 x pp2,
+  GPipe and 1F1B, with each rank's time outside the schedule (``benchmarks/overhead.py``);
+* ``advice``: ``lightning_mp_lstm.planning.advice``'s predicted order of layouts against the measured one;
 * ``wavefront``: one process, GPipe (the batch split in m microbatches), the wavefront (the time axis split in k
   chunks) and rows x chunks on one model and global batch, each against its own bound, with every rank's peak
   memory (docs/wavefront.md).
@@ -67,7 +67,7 @@ CUDA_PAGE = ROOT / "docs" / "results_cuda.md"
 CUDA_PICTURES = ROOT / "docs" / "_static" / "results" / "cuda"
 #: Sections that measure the CPU only, and why; ``--device cuda`` leaves them out.
 CPU_ONLY = {
-    "advice": "lightning_mp_lstm.advice calibrates CPU threads and a host memory copy, and refuses GPUs",
+    "advice": "lightning_mp_lstm.planning.advice calibrates CPU threads and a host memory copy, and refuses GPUs",
     "strategy_overhead": "its bare loop is a CPU pipeline on gloo",
 }
 
@@ -174,7 +174,8 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
     wave_png = pictures / "timeline_wavefront_pp2.png"
     fixed: dict[int, list[dict[str, Any]]] = {1: [], 2: [], 4: []}
     if "strategy_overhead" in only:
-        fixed[2].append(specs.overhead_job(sizes))
+        for world, job in specs.overhead_jobs(sizes):
+            fixed[world].append(job)
     if "pipeline_bound" in only:
         for stale in (pp2_png, dp2_pp2_png):  # only this run's pictures may be listed
             stale.unlink(missing_ok=True)
@@ -224,7 +225,7 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
     if "bucketing" in only:
         found["bucketing"] = sections.section_bucketing(of("bucketing"), sizes)
     if "strategy_overhead" in only:
-        found["strategy_overhead"] = sections.section_overhead(of("strategy_overhead")[0][1], sizes)
+        found["strategy_overhead"] = sections.section_overhead(of("strategy_overhead"), sizes)
     if "memory" in only:
         if not inline_memory:
             log("  memory (benchmarks/memory.py) ...")

@@ -2,7 +2,7 @@
 the ``layouts`` section compares.
 
 A model size is a dictionary of ``LSTMLanguageModel``'s own keyword arguments (``vocab_size``, ``embedding_dim``,
-``hidden_size``, ``num_layers``), as are ``benchmarks/strategy_overhead.py``'s :class:`Setup` fields.
+``hidden_size``, ``num_layers``), as are ``benchmarks/overhead.py``'s :class:`Setup` fields.
 """
 
 from __future__ import annotations
@@ -104,14 +104,17 @@ class Sizes:
     #: measure memory as the first job of the other sections' processes (one-file save only) instead of in
     #: processes of its own
     memory_inline: bool = False
-    # strategy overhead: benchmarks/strategy_overhead.py's Setup fields ({}: its defaults)
-    overhead: dict[str, Any] = field(default_factory=dict)
+    # strategy overhead: benchmarks/overhead.py's Setup fields (the model, global batch and microbatches of the
+    # measurement behind its issue: batch 32 x 35, m = 4), its layouts and schedules
+    overhead: dict[str, Any] = field(default_factory=lambda: {"rows": 32, "microbatches": 4})
+    overhead_layouts: tuple[str, ...] = ("pp2", "dp2_pp2")
+    overhead_schedules: tuple[str, ...] = ("GPipe", "1F1B")
     overhead_steps: int = 30
     overhead_warmup: int = 5
     overhead_rounds: int = 2
     # seconds each group of processes may take
     timeout: float = 1800.0
-    #: how the ranks start (lightning_mp_lstm.testing.run_ranks): "spawn" as launched ranks do, or "forkserver"
+    #: how the ranks start (lightning_mp_lstm.base.testing.run_ranks): "spawn" as launched ranks do, or "forkserver"
     #: (torch and Lightning imported once; QUICK, where only the schema and the flow are checked)
     start_method: str = "spawn"
 
@@ -128,7 +131,7 @@ QUICK = Sizes(
     memory_hidden=32, memory_rows=4, memory_steps=1, memory_layouts={"1 process": 1, "pp2": 2},
     memory_formats=("file",), memory_inline=True,
     overhead={**_model(64, 16, 16, 2), "rows": 16, "length": 8, "microbatches": 4},
-    overhead_steps=4, overhead_warmup=1, overhead_rounds=1,
+    overhead_steps=4, overhead_warmup=1, overhead_rounds=1, overhead_layouts=("pp2",), overhead_schedules=("1F1B",),
     wave_model=_model(64, 16, 16, 2), wave_rows=16, wave_length=8,
     wave_runs={2: {"m": (2,), "k": (2,), "mk": ((2, 2),)}},
     wave_picture_k=2, wave_warmup=1, wave_steps=2, wave_fresh=False,

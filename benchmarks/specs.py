@@ -136,10 +136,15 @@ def advice_jobs(s: Sizes) -> list[dict[str, Any]]:
             for model, overrides in s.layout_models.items()]
 
 
-def overhead_job(s: Sizes) -> dict[str, Any]:
-    """The strategy-overhead comparison (2 processes)."""
-    return {"kind": "overhead", "section": "strategy_overhead", "setup": s.overhead, "steps": s.overhead_steps,
-            "warmup": s.overhead_warmup, "rounds": s.overhead_rounds}
+def overhead_jobs(s: Sizes) -> list[tuple[int, dict[str, Any]]]:
+    """The strategy-overhead comparisons (``benchmarks/overhead.py``), one per layout and schedule, with their
+    number of processes."""
+    from benchmarks.overhead import LAYOUTS
+
+    return [(2 * LAYOUTS[layout], {"kind": "overhead", "section": "strategy_overhead",
+                                   "setup": {**s.overhead, "layout": layout, "schedule": schedule},
+                                   "steps": s.overhead_steps, "warmup": s.overhead_warmup, "rounds": s.overhead_rounds})
+            for layout in s.overhead_layouts for schedule in s.overhead_schedules]
 
 
 def memory_jobs(s: Sizes) -> list[tuple[int, dict[str, Any]]]:

@@ -100,7 +100,7 @@ def _fsdp(rank: int, world_size: int, steps: int, setup: Setup) -> tuple[list, i
 
 
 def _bare(rank: int, world_size: int, steps: int, setup: Setup) -> tuple[list, int]:
-    intervals = bare_loop(rank, steps - 1, setup)
+    intervals = bare_loop(rank, steps - 1, setup)["intervals"]
     blocks = pipeline_model(model_of(setup))  # what bare_loop keeps on this rank: an even split of the blocks
     blocks.keep_blocks(even_partition(blocks.block_names, world_size)[rank])
     return intervals, sum(p.numel() for p in blocks.module.parameters())

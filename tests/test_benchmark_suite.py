@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,13 @@ def test_memory_overhead_and_advice_sections(quick):
     assert sum(r["params"] for r in pp2) == single["params"]  # the ranks hold the model between them
     assert all(r["training_mib"] >= r["floor_mib"] > 0 for r in memory)
     overhead = sections["strategy_overhead"]
-    assert _finite_positive(overhead["ratio"]) and all(_finite_positive(r["steps_per_s"]) for r in overhead["rows"])
+    assert [(r["layout"], r["schedule"]) for r in overhead["rows"]] == [("pp2", "1F1B")]  # QUICK's one comparison
+    for row in overhead["rows"]:
+        assert _finite_positive(row["bare_tokens_per_s"]) and _finite_positive(row["strategy_tokens_per_s"])
+        assert math.isclose(row["ratio"], row["strategy_tokens_per_s"] / row["bare_tokens_per_s"])
+        assert re.fullmatch(r"r0 [\d.]+ / [\d.]+ \([\d.]+ \+ [\d.]+\); r1 [\d.]+ / [\d.]+ \([\d.]+ \+ [\d.]+\)",
+                            row["outside_ms"]), row["outside_ms"]
+    assert [g["name"] for g in overhead["goals"]] == ["pp2 1F1B: mp_lstm / bare tokens per second"]
     advice = sections["advice"]["rows"]
     assert {r["model"] for r in advice} == {"tiny", "small", "mxnet_ptb"}
     for model in ("tiny", "small", "mxnet_ptb"):
@@ -204,7 +211,7 @@ def test_broken_results_are_refused(quick, tmp_path):
             validate(broken)
             pytest.fail(f"accepted results with {what}")
     broken = copy.deepcopy(good)
-    broken["sections"]["strategy_overhead"]["rows"][0]["steps_per_s"] = -1.0
+    broken["sections"]["strategy_overhead"]["rows"][0]["strategy_tokens_per_s"] = -1.0
     path = tmp_path / "broken.json"
     path.write_text(json.dumps(broken))
     assert run.main(["--render", str(tmp_path / "page.md"), "--json", str(path)]) == 2

@@ -156,7 +156,7 @@ def test_the_pages_quote_the_commands_this_test_checks():
     # The parser finds what the pages show (a parser that finds nothing would make the tests below vacuous).
     scripts = {c.script for c in COMMANDS}
     assert len(TRAIN) > 40
-    assert scripts >= {"train.py", "generate.py", "benchmarks/run.py", "benchmarks/strategy_overhead.py"}
+    assert scripts >= {"train.py", "generate.py", "benchmarks/run.py", "benchmarks/overhead.py"}
     shown = {" ".join(c.args) for c in TRAIN}
     assert {"", "partition=balanced4", "partition=balanced2", "layout=pp4 partition=balanced"} <= shown
     assert any(c.where.startswith("README.md") for c in TRAIN)

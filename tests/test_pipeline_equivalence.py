@@ -7,8 +7,10 @@ import copy
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from lightning_mp_lstm.models.language_model_blocks import prediction_from_logits
 from lightning_mp_lstm.models.lstm_language_model import token_loss_sum
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from tests.helpers import cpu_engine, lm_batches, rel_error, run_ranks, tiny_model
@@ -39,8 +41,16 @@ def _compare_worker(rank: int, world_size: int, configs: list[dict]) -> list[dic
             ref_params = dict(reference.named_parameters())
             for name, p in module.named_parameters():
                 worst["grad"] = max(worst["grad"], rel_error(p.grad, ref_params[name].grad))
-        # One stage + schedule per bucket shape, built lazily and reused.
-        worst["shapes"] = engine.cached_shapes
+            # Forward only (validation, prediction) on the same batch: every schedule, V-shaped ones included.
+            with torch.no_grad():
+                evaluated = engine.evaluate((inputs, targets))
+                logits = reference(inputs)[0]
+                expected = token_loss_sum(logits, targets) / ref_tokens
+            predicted = engine.predict((inputs, targets))["log_probs"]
+            worst["eval"] = max(worst.get("eval", 0.0), rel_error(evaluated.loss, expected),
+                                rel_error(predicted, prediction_from_logits(logits, targets)["log_probs"]))
+        # One stage + schedule per bucket shape and mode, built lazily and reused.
+        worst["shapes"] = [key for key in engine.cached_shapes if key[2] == "train"]
         results.append({"config": cfg, **worst})
         dist.barrier()
     dist.destroy_process_group()
@@ -53,6 +63,7 @@ def _check(results_per_rank: list[list[dict]]) -> None:
             assert r["params"] > 0, r
             assert r["loss"] < 1e-5, r
             assert r["grad"] < 1e-5, r
+            assert r["eval"] < 1e-5, r
             assert [(length, mode) for _, length, mode in r["shapes"]] == [(5, "train"), (9, "train")], r
 
 

@@ -22,9 +22,9 @@ class _Metrics(list):
 
 def _worker(rank: int, world_size: int, directory: str, strategy_kwargs: dict) -> dict:
     warnings.filterwarnings("ignore")
-    timeline = PipelineTimeline(steps=(1, 2), directory=directory)
+    timeline = PipelineTimeline(steps=(1, 2), directory=directory if strategy_kwargs else None)
     strategy = MPLSTMStrategy(report_after_steps=None, timeout=60, **strategy_kwargs)
-    trainer = quiet_trainer(strategy, world_size, [timeline], max_steps=4)
+    trainer = quiet_trainer(strategy, world_size, [timeline], max_steps=4, default_root_dir=directory)
     trainer.fit(tiny_model(), datamodule=FixedBatches())
     return {"records": timeline.records_as_dicts(), "paths": {k: str(v) for k, v in timeline.paths.items()},
             "metrics": timeline.metrics}
@@ -34,6 +34,14 @@ def _worker(rank: int, world_size: int, directory: str, strategy_kwargs: dict) -
 def pp2(tmp_path_factory) -> tuple[list[dict], Path]:
     directory = tmp_path_factory.mktemp("timeline")
     return run_ranks(_worker, 2, str(directory), dict(n_microbatches=2), timeout=150), directory
+
+
+@pytest.mark.timeout(100)
+def test_without_a_directory_or_logger_the_files_go_to_the_root_dir_and_every_rank_ends(tmp_path):
+    # Lightning's log_dir is a collective: asked on rank 0 alone at the end of training, it hung every rank.
+    per_rank = run_ranks(_worker, 2, str(tmp_path), {}, timeout=80)
+    assert per_rank[0]["paths"] == {"png": str(tmp_path / "timeline.png"), "trace": str(tmp_path / "timeline.json")}
+    assert (tmp_path / "timeline.png").is_file() and per_rank[1]["paths"] == {}
 
 
 @pytest.mark.timeout(200)

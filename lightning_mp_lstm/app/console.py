@@ -76,8 +76,10 @@ def _console_handlers() -> list[logging.Handler]:
     """The console handlers of the root logger and of Lightning's own loggers (which do not propagate)."""
     handlers = []
     for name in ("", "lightning.pytorch", "lightning.fabric"):
+        # A test runner's capture handlers (pytest's are StreamHandlers too) record what the code logs: no console.
         handlers += [h for h in logging.getLogger(name).handlers
-                     if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+                     if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+                     and not type(h).__module__.startswith("_pytest")]
     return handlers
 
 

@@ -350,23 +350,30 @@ class PipelineEngine:
         key = (int(shape[0]), int(shape[1]), mode)
         schedule = self._schedules.get(key)
         if schedule is None:
-            schedule = self._build_schedule(with_loss=mode != "predict", rows=key[0], length=key[1])
+            schedule = self._build_schedule(mode, rows=key[0], length=key[1])
             self._schedules[key] = schedule
             while len(self._schedules) > self.max_cached_shapes:
                 self._schedules.popitem(last=False)
         self._schedules.move_to_end(key)
         return schedule
 
-    def _build_schedule(self, with_loss: bool, rows: int, length: int) -> Any:
+    def _build_schedule(self, mode: str, rows: int, length: int) -> Any:
         layout = self.layout
+        loss_fn = self._loss_fn if mode != "predict" else None
         if layout.style == "wavefront":  # this library's own loop: chunks of the time axis
             return WavefrontSchedule(self.stage_modules, layout, self.groups.pipeline, self.device, rows, length,
-                                     layout.time_chunks, self._loss_fn if with_loss else None)
+                                     layout.time_chunks, loss_fn)
+        if layout.stages_per_rank > 1 and mode != "train":
+            # torch 2.13's schedules of several stages per process cannot always run forward only (ZBVZeroBubble, and
+            # Interleaved1F1B on one process, ask a stage without backward for its input gradient): evaluation goes
+            # through this library's loop, one time chunk, the same stage placement.
+            return WavefrontSchedule(self.stage_modules, layout, self.groups.pipeline, self.device, rows, length, 1,
+                                     loss_fn)
         stages = [Stage(module, index, layout.num_stages, self.device, group=self.groups.pipeline)
                   for index, module in self.stage_modules.items()]
         schedule_cls = get_schedule_class(layout.schedule)
         target = stages[0] if layout.style == "single" else stages
-        return schedule_cls(target, layout.n_microbatches, loss_fn=self._loss_fn if with_loss else None,
+        return schedule_cls(target, layout.n_microbatches, loss_fn=loss_fn,
                             scale_grads=False)
 
     def _broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ class StageModule(nn.Module):
         self.randomness = randomness
         # The model's last block feeds the loss, which is checked itself: its (large) output is not.
         self._watched = [name != last_block for name in self.block_names]
-        self._finite: list[torch.Tensor | None] = [None] * len(self.block_names)
+        self._finite: list[torch.Tensor | None] = [None] * len(self.block_names)  # each block's outputs, summed
         #: Set while torch's pipelining infers shapes: it runs the stage on uninitialized tensors.
         self.inferring_shapes = False
         #: The microbatch the next forward runs (set by the stage before each forward).
@@ -132,8 +132,9 @@ class StageModule(nn.Module):
             for i, block in enumerate(self.blocks):
                 x = block(x)
                 if watch and self._watched[i] and x.is_floating_point():
-                    finite = torch.isfinite(x.detach().sum())  # NaN and infinity survive the sum: one pass, a scalar
-                    self._finite[i] = finite if self._finite[i] is None else self._finite[i] & finite
+                    # NaN and infinity survive sums: one pass per output, one scalar per block, read only on failure.
+                    total = x.detach().sum()
+                    self._finite[i] = total if self._finite[i] is None else self._finite[i] + total
         return x.contiguous()
 
     @property
@@ -170,8 +171,8 @@ class StageModule(nn.Module):
 
     def first_non_finite(self) -> str | None:
         """The first of this stage's blocks whose output was not finite since the last reset, if any."""
-        for name, finite in zip(self.block_names, self._finite):
-            if finite is not None and not bool(finite):
+        for name, total in zip(self.block_names, self._finite):
+            if total is not None and not bool(torch.isfinite(total)):
                 return name
         return None
 

@@ -35,18 +35,30 @@ class Measurements:
 
 
 class StepClock:
-    """The start times of the first ``after_steps + 1`` training batches (``None``: never measure)."""
+    """The start times of the first ``after_steps + 1`` training batches (``None``: never measure), and the batch at
+    whose shape the stages are timed once training ends (off the training path: timing them between two steps would
+    stall one)."""
 
     def __init__(self, after_steps: int | None) -> None:
         self.after_steps = after_steps
         self.starts: list[float] = []
+        self._batch: Any = None
 
-    def tick(self) -> bool:
-        """Record a batch's start; ``True`` once, at the start that completes ``after_steps`` intervals."""
+    def tick(self, batch: Any = None) -> bool:
+        """Record a batch's start; ``True`` once, at the start that completes ``after_steps`` intervals (``batch`` is
+        then kept for :meth:`take_batch`)."""
         if self.after_steps is None or len(self.starts) > self.after_steps:
             return False
         self.starts.append(time.perf_counter())
-        return len(self.starts) == self.after_steps + 1
+        done = len(self.starts) == self.after_steps + 1
+        if done:
+            self._batch = batch
+        return done
+
+    def take_batch(self) -> Any:
+        """The batch kept by :meth:`tick` (once; ``None`` when the clock has not completed)."""
+        batch, self._batch = self._batch, None
+        return batch
 
     @property
     def intervals(self) -> list[float]:

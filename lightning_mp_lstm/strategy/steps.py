@@ -79,10 +79,18 @@ class PipelineSteps:
             self._metrics.start_epoch()
         if self._verifier is not None and not self._verifier.done:
             self._run_verification(batch)
-        if self._step_clock.tick():  # time every stage on its own process at this batch's shape; report on rank 0
-            with self.precision_plugin.forward_context():
-                self._measurements = report.measure(self.engine, batch, self.root_device, self._step_clock.intervals)
-            rank_zero_info(report.measured_line(self.plan, self._measurements, self._step_clock.after_steps))
+        self._step_clock.tick(batch)
+
+    @override
+    def on_train_end(self) -> None:
+        """Time every stage on its own process at the shape of the batch the step clock kept (a collective), off the
+        training path, and report on rank 0."""
+        batch = self._step_clock.take_batch()
+        if batch is None:
+            return
+        with self.precision_plugin.forward_context():
+            self._measurements = report.measure(self.engine, batch, self.root_device, self._step_clock.intervals)
+        rank_zero_info(report.measured_line(self.plan, self._measurements, self._step_clock.after_steps))
 
     def _run_verification(self, batch: Any) -> None:
         from lightning_mp_lstm.strategy.verify import STEPS, VerificationError  # only for verify=True

@@ -98,8 +98,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         balance_by: what ``"balanced"`` balances: ``"time"`` (forward + backward measured on the devices),
             ``"flops"`` or ``"memory"``.
         stage_speeds: relative speed of each stage's device for balancing (default: all equal).
-        report_after_steps: after this many training batches, time every stage and log one line with the measured
-            stage shares and step time (the whole table with them: :attr:`report`; ``None``: never).
+        report_after_steps: the step time of this many training batches, and every stage timed at that batch's
+            shape when training ends (off the training path), in one logged line (with the plan: :attr:`report`;
+            ``None``: never).
         checkpoint_format: ``"file"``: one checkpoint file, gathered on global rank 0 while saving (loads anywhere,
             plain Lightning included); ``"sharded"``: a directory where every rank writes its own tensors with
             ``torch.distributed.checkpoint`` (nothing is gathered; loads on any ``mp_lstm`` layout).

@@ -84,7 +84,8 @@ class PipelineTimeline(pl.Callback):
         stage_ranks = {s: layout.rank_of_stage(s) for s in range(num_stages)} if layout is not None else {0: 0}
         record = StepRecord(step=self._step, wall=max(w for _, w, _ in parts), spans=spans, tokens=tokens,
                             num_stages=num_stages, n_microbatches=layout.units if layout else 1,
-                            schedule=layout.schedule if layout else "none", stage_ranks=stage_ranks)
+                            schedule=layout.schedule if layout else "none", stage_ranks=stage_ranks,
+                            rank_walls={r: w for r, w, _ in parts})
         self.records.append(record)
         p = layout.pipeline_parallel_size if layout is not None else 1
         v = layout.stages_per_rank if layout is not None else 1
@@ -99,9 +100,12 @@ class PipelineTimeline(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.records or not trainer.is_global_zero:
+        if not self.records:
             return
+        # Every rank asks: Lightning's log_dir broadcasts rank 0's (a collective), so asking on rank 0 alone hangs.
         directory = self.directory or Path(trainer.log_dir or trainer.default_root_dir)
+        if not trainer.is_global_zero:
+            return
         directory.mkdir(parents=True, exist_ok=True)
         png, trace = directory / f"{self.filename}.png", directory / f"{self.filename}.json"
         draw(self.records[-1], png)

@@ -60,6 +60,7 @@ class StepRecord:
         n_microbatches: microbatches per step (for ``"Wavefront"``: units, row microbatches x time chunks).
         schedule: the schedule's name, as torch spells it.
         stage_ranks: the global rank of every stage in replica 0.
+        rank_walls: each rank's own time from the step's start to its end (``wall`` is the longest).
     """
 
     step: int
@@ -70,6 +71,7 @@ class StepRecord:
     n_microbatches: int
     schedule: str
     stage_ranks: dict[int, int] = field(default_factory=dict)
+    rank_walls: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepRecord:
@@ -77,6 +79,7 @@ class StepRecord:
         fields = dict(data)
         fields["spans"] = [Span(**span) for span in data["spans"]]
         fields["stage_ranks"] = {int(k): v for k, v in data.get("stage_ranks", {}).items()}
+        fields["rank_walls"] = {int(k): v for k, v in data.get("rank_walls", {}).items()}
         return cls(**fields)
 
     def as_dict(self) -> dict[str, Any]:
