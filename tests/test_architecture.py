@@ -74,11 +74,9 @@ def test_the_readme_lists_every_folder_on_a_line_of_its_own():
 
 
 def test_the_public_names_are_importable_from_the_package():
-    from lightning_mp_lstm.data import LMDataModule
-
-    names = ["CheckpointError", "DivergenceError", "DivergenceGuard", "LSTMBlocks", "LSTMLanguageModel", "LayoutError",
-             "MPLSTMStrategy", "ModelDeclarationError", "ParallelLayout", "PartitionError", "PipelineModel",
-             "PipelineTimeline", "RunStopped", "StopOnSignal"]
+    names = ["CheckpointError", "DivergenceError", "DivergenceGuard", "LMDataModule", "LSTMBlocks", "LSTMLanguageModel",
+             "LayoutError", "MPLSTMStrategy", "ModelDeclarationError", "ParallelLayout", "PartitionError",
+             "PipelineModel", "PipelineTimeline", "RunStopped", "StopOnSignal"]
     assert sorted(lightning_mp_lstm.__all__) == names
     assert [getattr(lightning_mp_lstm, name).__name__ for name in names] == names
-    assert LMDataModule.__module__ == "lightning_mp_lstm.data.datamodule"
+    assert lightning_mp_lstm.LMDataModule.__module__ == "lightning_mp_lstm.data.datamodule"
