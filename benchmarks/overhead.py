@@ -25,6 +25,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -198,14 +199,16 @@ def strategy_fit(rank: int, steps: int, setup: Setup, record: tuple[int, ...] = 
         its first span and after its last over the recorded steps.
     """
     timer = _StepStarts()
-    timeline = PipelineTimeline(steps=record) if record else None
+    scratch = tempfile.TemporaryDirectory()  # the timeline's picture and trace are not wanted
+    timeline = PipelineTimeline(steps=record, directory=scratch.name) if record else None
     trainer = pl.Trainer(
         strategy=MPLSTMStrategy(pipeline_parallel_size=2, data_parallel_size=setup.replicas, schedule=setup.schedule,
                                 n_microbatches=setup.microbatches, report_after_steps=None, num_threads=1),
         accelerator="cpu", devices=setup.world_size, max_steps=steps + 1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, gradient_clip_val=None,
         callbacks=[timer, *([timeline] if timeline else [])])
-    trainer.fit(model_of(setup), train_dataloaders=DataLoader(batches(steps + 1, setup), batch_size=None))
+    with scratch:
+        trainer.fit(model_of(setup), train_dataloaders=DataLoader(batches(steps + 1, setup), batch_size=None))
     out: dict[str, Any] = {"intervals": [b - a for a, b in zip(timer.starts, timer.starts[1:])]}
     if timeline is not None:
         out["outside"] = outside_schedule(timeline.records, rank)

@@ -75,6 +75,10 @@ def test_metrics_are_logged_next_to_the_predicted_bubble(pp2):
     assert 0 < metrics["timeline/bubble_schedule"] < metrics["timeline/bubble_measured"] < 1
     assert metrics["timeline/busy_s/stage_0"] > 0 and metrics["timeline/busy_s/stage_1"] > 0
     assert metrics["timeline/tokens_per_s"] > 0
+    record = pp2[0][0]["records"][-1]
+    assert metrics["timeline/step_s"] == pytest.approx(record["wall"])
+    end = max(span["end"] for span in record["spans"])
+    assert 0 < metrics["timeline/tail"] == pytest.approx((record["wall"] - end) / record["wall"]) < 1
 
 
 @pytest.mark.timeout(200)

@@ -90,6 +90,7 @@ class PipelineTimeline(pl.Callback):
         p = layout.pipeline_parallel_size if layout is not None else 1
         v = layout.stages_per_rank if layout is not None else 1
         metrics = {"timeline/tokens_per_s": tokens / record.wall if record.wall else 0.0,
+                   "timeline/step_s": record.wall, "timeline/tail": record.tail,
                    "timeline/bubble_measured": record.bubble(),
                    "timeline/bubble_schedule": record.schedule_bubble(),
                    "timeline/bubble_predicted": predicted_bubble(record.schedule, p, v, record.n_microbatches)}

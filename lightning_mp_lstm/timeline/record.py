@@ -108,6 +108,12 @@ class StepRecord:
         The rest of :attr:`wall` is the step's tail (optimizer step, gradient clipping, Lightning's loop)."""
         return max((span.end for span in self.spans), default=self.wall)
 
+    @property
+    def tail(self) -> float:
+        """The fraction of :attr:`wall` after :attr:`schedule_end`: what the step spends outside its schedule at
+        its end."""
+        return (self.wall - self.schedule_end) / self.wall if self.wall > 0 else 0.0
+
     def bubble(self) -> float:
         """Measured fraction of the step the ranks spent not computing (waiting, communicating, idle)."""
         return self._idle_until(self.wall)

@@ -1,0 +1,80 @@
+"""The main job's own steps: how long each takes and how much of it follows the schedule.
+
+Runs ``python train.py`` (the README's main job) with the timeline recording a window of consecutive steps, then
+reads the recorded ``timeline/step_s`` and ``timeline/tail`` (the fraction of a step after its schedule's last
+span) from the run's ``metrics.csv``. Two numbers come out, each against its goal:
+
+* the median tail (optimizer step, clipping, Lightning's loop): at most 10 % of the step;
+* the slowest step of the window against the median: at most 1.5 (nothing stalls a step, reporting included).
+
+Steps whose batch has a shape the pipeline has not seen yet build their stages first (a bucket's first batch);
+they are counted apart, since a stall is what the second goal looks for, not a first shape.
+
+    python benchmarks/main_job.py [--first 10] [--steps 200] [train.py overrides ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+__all__ = ["main", "measure", "summarize"]
+
+
+def measure(first: int, steps: int, overrides: list[str]) -> list[dict[str, float]]:
+    """Run the main job recording steps ``first .. first + steps - 1``; their recorded metrics, in step order."""
+    with tempfile.TemporaryDirectory() as scratch:
+        window = ",".join(str(s) for s in range(first, first + steps))
+        command = [sys.executable, "train.py", f"hydra.run.dir={scratch}", f"callbacks.timeline.steps=[{window}]",
+                   f"trainer.max_steps={first + steps}", "evaluate=false", *overrides]
+        subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        rows = []
+        with open(Path(scratch) / "logs" / "metrics.csv") as f:
+            for row in csv.DictReader(f):
+                if row.get("timeline/step_s"):
+                    rows.append({"step": int(row["step"]), "step_s": float(row["timeline/step_s"]),
+                                 "tail": float(row["timeline/tail"]),
+                                 "tokens_per_s": float(row["timeline/tokens_per_s"])})
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians, the slowest step and the goals of the recorded steps."""
+    times = [r["step_s"] for r in rows]
+    median = statistics.median(times)
+    slowest = max(rows, key=lambda r: r["step_s"])
+    tail = statistics.median(r["tail"] for r in rows)
+    return {"steps": len(rows), "median_step_s": median, "max_step_s": slowest["step_s"],
+            "slowest_step": slowest["step"], "max_over_median": slowest["step_s"] / median,
+            "median_tail": tail, "max_tail": max(r["tail"] for r in rows),
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
+            "goals": {"median tail <= 0.10": tail <= 0.10,
+                      "max step / median <= 1.5": slowest["step_s"] / median <= 1.5}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--first", type=int, default=10, help="the first recorded step (after warm-up)")
+    parser.add_argument("--steps", type=int, default=200, help="how many consecutive steps to record")
+    parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    args, overrides = parser.parse_known_args(argv)
+    summary = summarize(measure(args.first, args.steps, overrides))
+    summary["command"] = " ".join(["python benchmarks/main_job.py", *(argv if argv is not None else sys.argv[1:])])
+    print(json.dumps(summary, indent=1))
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0 if all(summary["goals"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
