@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import run
+from benchmarks import main_job, run
 from benchmarks.schema import SCHEMA, SECTIONS, SchemaError, validate
 from benchmarks.sizes import LAYOUTS, QUICK
 from tests.helpers import ROOT, run_command
@@ -248,3 +248,16 @@ def test_the_page_has_a_place_for_the_gpu_rows(tmp_path):
     (tmp_path / "cuda.json").write_text(json.dumps(results))
     assert run.main(["--render", str(page), "--json", str(tmp_path / "cuda.json")]) == 0
     assert "Every row of this page is CUDA: 2 x NVIDIA H100" in page.read_text()
+
+
+def test_the_main_job_summary_finds_a_stalled_step_per_token():
+    """A step twice as slow as its tokens explain is the stall; a long bucket's slow step is not."""
+    rows = [{"step": 10 + i, "step_s": 0.01 * (2 if i % 2 else 1), "tail": 0.05, "tokens_per_s": 1000.0}
+            for i in range(9)]  # half the steps have twice the tokens and take twice as long: no stall
+    calm = main_job.summarize(rows)
+    assert calm["slowest_per_token_over_median"] == pytest.approx(1.0)
+    assert calm["median_tail"] == pytest.approx(0.05) and all(calm["goals"].values())
+    rows[4] = {"step": 14, "step_s": 0.02, "tail": 0.5, "tokens_per_s": 500.0}
+    stalled = main_job.summarize(rows)
+    assert stalled["slowest_step"] == 14 and stalled["slowest_per_token_over_median"] == pytest.approx(2.0)
+    assert stalled["goals"] == {"median tail <= 0.10": True, "slowest step per token / median <= 1.5": False}

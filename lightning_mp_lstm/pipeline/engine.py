@@ -201,8 +201,8 @@ class PipelineEngine:
 
     def _run(self, batch: Any, mode: str, accumulation: int) -> StepResult:
         self.flush()
-        inputs, targets, rows = self.prepare(batch)
-        weights = self._sum_over_replicas(self.model.batch_weights(targets[:rows]))
+        inputs, targets, rows, whole = self._prepare(batch)
+        weights = self._global_weights(targets[:rows], whole)
         tokens = weights[0]
         self.last_tokens = tokens
         size = inputs.shape[0] // self.layout.n_microbatches
@@ -221,6 +221,14 @@ class PipelineEngine:
         terms = {name: value * accumulation for name, value in terms.items()}
         loss = terms.pop("loss")
         return StepResult(loss, tokens, weights, terms)
+
+    def _global_weights(self, share: torch.Tensor, whole: torch.Tensor | None) -> torch.Tensor:
+        """The global batch's counts. A replica holding the whole global batch counts it itself (the counts are
+        additive over rows, so this is the replicas' sum) and no collective lines the replicas up before the
+        schedule; a replica given only its share sums its counts over the replicas."""
+        if whole is not None:
+            return self.model.batch_weights(whole)
+        return self._sum_over_replicas(self.model.batch_weights(share))
 
     def _reduce_terms(self, local: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
         """The batch's loss terms summed over the pipeline's stages and the replicas (one collective each), under the
@@ -317,13 +325,19 @@ class PipelineEngine:
     def prepare(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
         """This replica's inputs and targets, rows first, padded to a multiple of the microbatch count, and its real
         row count."""
+        return self._prepare(batch)[:3]
+
+    def _prepare(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        """:meth:`prepare`, and the whole global batch's targets when this replica was given all of it."""
         prepare = getattr(self.model, "prepare_batch", None)
         inputs, targets = prepare(batch) if prepare is not None else (batch[0], batch[1])
         replicas = self.layout.data_parallel_size
+        whole = None
         if self.global_batches and replicas > 1:
             if inputs.shape[0] < replicas:
                 raise ValueError(f"a global batch of {inputs.shape[0]} rows cannot be shared by data_parallel_size="
                                  f"{replicas} replicas; use batches of at least {replicas} sequences")
+            whole = targets
             inputs = inputs.tensor_split(replicas)[self.data_parallel_rank]
             targets = targets.tensor_split(replicas)[self.data_parallel_rank]
         rows = int(inputs.shape[0])
@@ -331,7 +345,7 @@ class PipelineEngine:
         extra = -rows % self.layout.n_microbatches
         if extra:
             inputs, targets = self.model.pad_rows(inputs, targets, extra)
-        return inputs, targets, rows
+        return inputs, targets, rows, whole
 
     def _set_mode(self, train: bool) -> None:
         for module in self.stage_modules.values():
