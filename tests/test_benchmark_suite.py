@@ -250,14 +250,14 @@ def test_the_page_has_a_place_for_the_gpu_rows(tmp_path):
     assert "Every row of this page is CUDA: 2 x NVIDIA H100" in page.read_text()
 
 
-def test_the_main_job_summary_finds_a_stalled_step_per_token():
-    """A step twice as slow as its tokens explain is the stall; a long bucket's slow step is not."""
-    rows = [{"step": 10 + i, "step_s": 0.01 * (2 if i % 2 else 1), "tail": 0.05, "tokens_per_s": 1000.0}
-            for i in range(9)]  # half the steps have twice the tokens and take twice as long: no stall
+def test_the_main_job_summary_finds_a_stalled_step_among_its_shape():
+    """A step twice as slow as the others of its shape is the stall; a long bucket's slow step is not."""
+    rows = [{"step": 10 + i, "step_s": 0.01 * (2 if i % 2 else 1), "tail": 0.05, "tokens_per_s": 1000.0,
+             "elements": 64.0 * (2 if i % 2 else 1)} for i in range(9)]  # two shapes, one twice the other's time
     calm = main_job.summarize(rows)
-    assert calm["slowest_per_token_over_median"] == pytest.approx(1.0)
+    assert calm["shapes"] == 2 and calm["slowest_over_its_shape_median"] == pytest.approx(1.0)
     assert calm["median_tail"] == pytest.approx(0.05) and all(calm["goals"].values())
-    rows[4] = {"step": 14, "step_s": 0.02, "tail": 0.5, "tokens_per_s": 500.0}
+    rows[4] = {**rows[4], "step_s": 0.02, "tail": 0.5}
     stalled = main_job.summarize(rows)
-    assert stalled["slowest_step"] == 14 and stalled["slowest_per_token_over_median"] == pytest.approx(2.0)
-    assert stalled["goals"] == {"median tail <= 0.10": True, "slowest step per token / median <= 1.5": False}
+    assert stalled["slowest_step"] == 14 and stalled["slowest_over_its_shape_median"] == pytest.approx(2.0)
+    assert stalled["goals"] == {"median tail <= 0.10": True, "slowest step / its shape's median <= 1.5": False}

@@ -80,6 +80,7 @@ def test_metrics_are_logged_next_to_the_predicted_bubble(pp2):
     end = max(span["end"] for span in record["spans"])
     assert metrics["timeline/tail"] == pytest.approx((record["wall"] - end) / record["wall"])
     assert 0 < metrics["timeline/tail"] < 1
+    assert metrics["timeline/batch_elements"] == 8 * 7  # step 2: the third batch, 8 rows of length 7
 
 
 @pytest.mark.timeout(200)

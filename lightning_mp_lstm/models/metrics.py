@@ -71,9 +71,12 @@ class LanguageModelMetrics:
         self._last_step = None
 
     def _metric(self, key: tuple[str, str], device: torch.device, make: Any) -> Any:
-        if key not in self._means:
-            self._means[key] = make()
-        return self._means[key].to(device)
+        metric = self._means.get(key)
+        if metric is None:
+            metric = self._means[key] = make().to(device)
+        elif metric.device != device:  # moving a metric walks its states: not on every step
+            metric = self._means[key] = metric.to(device)
+        return metric
 
     def log(self, module: Any, split: str, loss: torch.Tensor, tokens: torch.Tensor, rows: int,
             weights: torch.Tensor | None = None, terms: dict[str, torch.Tensor] | None = None) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from typing_extensions import override
 
 from lightning_mp_lstm.base.faults import gather
@@ -91,6 +92,7 @@ class PipelineTimeline(pl.Callback):
         v = layout.stages_per_rank if layout is not None else 1
         metrics = {"timeline/tokens_per_s": tokens / record.wall if record.wall else 0.0,
                    "timeline/step_s": record.wall, "timeline/tail": record.tail,
+                   "timeline/batch_elements": _elements(batch),
                    "timeline/bubble_measured": record.bubble(),
                    "timeline/bubble_schedule": record.schedule_bubble(),
                    "timeline/bubble_predicted": predicted_bubble(record.schedule, p, v, record.n_microbatches)}
@@ -127,3 +129,10 @@ class PipelineTimeline(pl.Callback):
         """The records as plain data, for saving or sending between processes (:meth:`StepRecord.from_dict`
         reads one back)."""
         return [record.as_dict() for record in self.records]
+
+
+def _elements(batch: Any) -> float:
+    """Elements of the batch's first tensor (padding included: its shape's size), 0 when it has none: steps with
+    the same count ran the same shapes."""
+    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    return float(first.numel()) if isinstance(first, torch.Tensor) else 0.0
