@@ -46,6 +46,7 @@ from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy, PipelineTimelin
 from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 from lightning_mp_lstm.models.binding import pipeline_model  # noqa: E402
 from lightning_mp_lstm.models.lstm_language_model import token_loss_sum  # noqa: E402
+from lightning_mp_lstm.pipeline.stages import ContiguousGrad  # noqa: E402
 from lightning_mp_lstm.planning.partition import even_partition  # noqa: E402
 
 __all__ = ["LAYOUTS", "Setup", "bare_loop", "batches", "compare", "model_of", "strategy_fit", "summarize"]
@@ -91,19 +92,6 @@ def batches(n: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     tokens = [torch.randint(1, setup.vocab_size, (setup.rows, setup.length + 1), generator=g) for _ in range(n)]
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-
-
-class ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: gloo sends no views, and the gradient of a
-    batch-first LSTM's input is a transposed one."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
 
 
 class Contiguous(nn.Module):
