@@ -4,9 +4,10 @@ the schedule.
 
 The bare loop is what a user would write by hand, and the reference: one ``PipelineStage`` per rank holding an even
 half of ``LSTMLanguageModel``'s blocks, a schedule with ``scale_grads=False`` and a loss divided by the batch's
-tokens, the gradients summed over the replicas in one flat all-reduce, SGD; nothing else (no Lightning, no checks, no
-logging). The strategy runs the same in ``Trainer.fit``. Layouts: ``pp2`` (2 ranks) and ``dp2_pp2`` (4 ranks, two
-replicas of the 2-stage pipeline, each its half of the global batch); schedules GPipe and 1F1B.
+tokens, the gradients summed over the replicas in one flat all-reduce, SGD (torch's fused kernel, as the model
+picks); nothing else (no Lightning, no checks, no logging). The strategy runs the same in ``Trainer.fit``.
+Layouts: ``pp2`` (2 ranks) and ``dp2_pp2`` (4 ranks, two replicas of the 2-stage pipeline, each its half of the
+global batch); schedules GPipe and 1F1B.
 
 Time outside the schedule, per rank, is the median step's wall time less the span of its schedule: for the bare loop
 timed around ``schedule.step``; for the strategy from the timeline recorder (``PipelineTimeline``, a separate run:
@@ -46,6 +47,7 @@ from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy, PipelineTimelin
 from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 from lightning_mp_lstm.models.binding import pipeline_model  # noqa: E402
 from lightning_mp_lstm.models.lstm_language_model import token_loss_sum  # noqa: E402
+from lightning_mp_lstm.models.optimizer_kernels import kernel_options  # noqa: E402
 from lightning_mp_lstm.pipeline.stages import ContiguousGrad  # noqa: E402
 from lightning_mp_lstm.planning.partition import even_partition  # noqa: E402
 
@@ -144,7 +146,7 @@ def bare_loop(rank: int, steps: int, setup: Setup) -> dict[str, list[float]]:
     schedule = get_schedule_class(setup.schedule)(
         stage, setup.microbatches, loss_fn=lambda out, y: token_loss_sum(out, y) / divisor, scale_grads=False)
     parameters = list(model.parameters())
-    optimizer = torch.optim.SGD(parameters, lr=0.1)
+    optimizer = torch.optim.SGD(parameters, lr=0.1, **kernel_options(parameters))  # the model's own kernel
     starts, in_schedule = [], []
     for inputs, targets in batches(steps + 1, setup):
         starts.append(time.perf_counter())

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -76,3 +77,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.section("tests that left an in-process launch behind (cleaned up)")
         for line in _LEFT_BEHIND:
             terminalreporter.write_line(f"{line}: call strategy.shutdown() after an in-process fit")
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """A default process group of this process alone (gloo; NCCL too where CUDA is), destroyed afterwards."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()

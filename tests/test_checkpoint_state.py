@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -122,15 +121,6 @@ def test_generation_names_the_file_whose_tensors_do_not_fit(tmp_path):
         load_for_generation(tmp_path / "shape.ckpt")
 
 
-@pytest.fixture
-def one_process_group(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="a CUDA mesh needs a GPU"))])
 def test_sharded_read_templates_keep_a_dtensor_on_its_device(one_process_group, device):
@@ -143,3 +133,21 @@ def test_sharded_read_templates_keep_a_dtensor_on_its_device(one_process_group, 
     assert isinstance(template, DTensor) and template.device_mesh == mesh and template.placements == value.placements
     assert template.to_local().device == value.to_local().device
     assert _empty_like(torch.ones(3, device=device)).device == torch.device("cpu")  # plain tensors: read onto the CPU
+
+
+@pytest.mark.parametrize("saved_with", [{}, {"foreach": False}])
+def test_loading_optimizer_state_keeps_this_processs_kernel_choice(saved_with):
+    """A checkpoint written by a layout with sharded parameters (no fused kernels) or by an earlier version (torch's
+    default loop) resumes here with the fused kernel this process chose; the training state and hyperparameters are
+    the checkpoint's."""
+    model = tiny_model()
+    saved = torch.optim.Adam(model.parameters(), lr=0.02, **saved_with)
+    _stepped(model, saved)
+    state = optimizer_state(saved, model)
+    fresh = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    load_optimizer_state(fresh, model, state)
+    group = fresh.param_groups[0]
+    assert group["fused"] is True and group["foreach"] is None and group["lr"] == 0.02
+    assert int(fresh.state[model.decoder.weight]["step"]) == 1
+    _stepped(model, fresh)  # the fused kernel takes the loaded state
+    assert int(fresh.state[model.decoder.weight]["step"]) == 2

@@ -49,7 +49,7 @@ EXPECTED: dict[tuple[str, str], dict[str, Any]] = {
                            "data.max_bucket_length": None},
     ("buckets", "none"): {"buckets.lengths": None, "data.buckets": None, "data.max_bucket_length": "auto"},
     ("callbacks", "default"): {"callbacks.model_checkpoint.monitor": "val/loss",
-                               "callbacks.progress_bar.refresh_rate": 1, "callbacks.timeline.steps": [2, 3],
+                               "callbacks.progress_bar.refresh_rate": 10, "callbacks.timeline.steps": [2, 3],
                                "callbacks.divergence.max_loss": 100.0},
     ("callbacks", "divergence"): {"callbacks.divergence._target_": "lightning_mp_lstm.DivergenceGuard",
                                   "callbacks.divergence.patience": None, "callbacks.model_checkpoint": None},

@@ -9,6 +9,8 @@
 * the NCCL-only branches, with a mocked backend name or device: the barrier's device ids, the device mesh's
   timeout options (and which mesh dimensions get a group of their own), a stage's CUDA random stream;
 * the stage cache (one stage + schedule, with its receive buffers, per batch shape and mode) stays bounded;
+* the loss terms' receive is posted before the schedule under gloo only (NCCL would pair it with the schedule's
+  first receive from the same peer: it matches point-to-point operations in the order they are issued);
 * the layout advice refuses a CUDA device, saying what to use instead.
 
 The multi-process guards (tensor-factory tripwire, ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` collective checks, the object
@@ -35,6 +37,7 @@ from lightning_mp_lstm import LSTMBlocks, LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.pipeline import engine as engine_module
 from lightning_mp_lstm.pipeline.engine import PipelineEngine, split_model
 from lightning_mp_lstm.pipeline.stages import StageRandomness
 from lightning_mp_lstm.planning import advice as advice_module
@@ -357,3 +360,24 @@ def test_the_advice_refuses_a_cuda_device_and_says_what_to_use_instead(monkeypat
     with pytest.raises(ValueError, match=message):
         advise(model, 2, 16, 10, torch.device("cuda", 0), Calibration(((1, 1.0),), 1e9))
     assert timed == []  # refused before timing anything
+
+
+@pytest.mark.parametrize(("backend", "posted"), [("gloo", True), ("nccl", False)])
+def test_the_terms_receive_is_posted_before_the_schedule_under_gloo_only(monkeypatch, backend, posted):
+    receives = []
+    monkeypatch.setattr(engine_module, "_shared", lambda group: True)
+    monkeypatch.setattr(engine_module.dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(engine_module.dist, "irecv", lambda tensor, **kwargs: receives.append(kwargs) or "work")
+    first_stage = types.SimpleNamespace(_term_names={"train": ["loss", "ar"]}, has_last_stage=False,
+                                        _terms_on_last_rank=True, groups=types.SimpleNamespace(pipeline="pipeline"),
+                                        _last_stage_rank=1, device=torch.device("cpu"))
+    early = PipelineEngine._receive_terms_early(first_stage, "train")
+    assert (early is not None) == posted
+    if posted:
+        buffer, work = early
+        assert buffer.shape == (2,) and buffer.dtype == torch.float64 and work == "work"
+        assert receives == [{"group": "pipeline", "group_src": 1, "tag": engine_module._TERMS_TAG}]
+    # The names are learned at the first batch of a mode; the last stage sends, never receives.
+    assert PipelineEngine._receive_terms_early(first_stage, "eval") is None
+    last_stage = types.SimpleNamespace(**{**vars(first_stage), "has_last_stage": True})
+    assert PipelineEngine._receive_terms_early(last_stage, "train") is None

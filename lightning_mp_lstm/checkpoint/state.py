@@ -42,6 +42,8 @@ __all__ = [
 
 #: What a strict load that found missing or unexpected tensors suggests.
 STRICT_HINT = "load with strict=False (LightningModule.strict_loading = False) to skip them"
+#: Optimizer settings that choose a kernel, not the update: a process keeps its own when it loads a checkpoint.
+_KERNEL_KEYS = ("fused", "foreach")
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,12 @@ def load_optimizer_state(
     """
     aliases = aliases or {}
     entries = dict(state["state"])
-    groups = [{**g, "params": list(g["params"])} for g in state["param_groups"]]
+    # The kernel choice (fused, foreach) is how this process computes the update, not training state: a checkpoint
+    # of another layout (sharded parameters take no fused kernels) or of an earlier version keeps this optimizer's.
+    own = optimizer.param_groups
+    groups = [{**g, "params": list(g["params"]),
+               **{k: own[min(i, len(own) - 1)][k] for k in _KERNEL_KEYS if k in own[min(i, len(own) - 1)]}}
+              for i, g in enumerate(state["param_groups"])]
     names = [n for n, _ in module.named_parameters()]
     for name in names:  # a tied weight's copy that this process knows by a further name only
         first = aliases.get(name)

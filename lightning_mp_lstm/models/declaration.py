@@ -94,7 +94,8 @@ class LSTMBlocks:
             device (``trainer.init_module(empty_init=True)``); default: the module's ``reset_parameters()``, seeded
             per block. Not used for a module built normally.
         log_name: the names the strategy logs under; ``{split}`` is train/val/test, ``{metric}`` loss, ppl,
-            tokens_per_s or a term of ``loss`` / ``penalty`` (``"{split}/{metric}"`` gives ``train/loss``).
+            tokens_per_s_step, tokens_per_s_epoch or a term of ``loss`` / ``penalty`` (``"{split}/{metric}"`` gives
+            ``train/loss``).
     """
 
     embedding: str

@@ -24,6 +24,7 @@ from lightning_mp_lstm.models.declaration import LSTMBlocks
 from lightning_mp_lstm.models.language_model_blocks import prediction_from_logits
 from lightning_mp_lstm.models.metrics import LanguageModelMetrics, perplexity
 from lightning_mp_lstm.models.objective import token_cross_entropy
+from lightning_mp_lstm.models.optimizer_kernels import kernel_options, make_optimizer
 from lightning_mp_lstm.models.vocab_padding import PaddedDecoder, padded_vocab_size
 
 __all__ = ["OPTIMIZERS", "LSTMLanguageModel", "block_names", "perplexity", "prediction_from_logits",
@@ -234,14 +235,12 @@ class LSTMLanguageModel(pl.LightningModule):
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_factory is not None:
-            opt = self.optimizer_factory(params)
+            opt = make_optimizer(self.optimizer_factory, params)
         else:
-            # torch's multi-tensor kernels refuse a list that mixes sharded (DTensor) and plain parameters.
-            foreach = False if any(type(p).__name__ == "DTensor" for p in params) else None
             kinds = {"sgd": (torch.optim.SGD, {"momentum": hp.momentum}), "adam": (torch.optim.Adam, {}),
                      "adamw": (torch.optim.AdamW, {})}
             kind, extra = kinds[hp.optimizer.lower()]
-            opt = kind(params, lr=hp.lr, weight_decay=hp.weight_decay, foreach=foreach, **extra)
+            opt = kind(params, lr=hp.lr, weight_decay=hp.weight_decay, **kernel_options(params), **extra)
         if self.scheduler_factory is not None:
             return {"optimizer": opt, "lr_scheduler": self.scheduler_factory(opt)}
         if hp.lr_decay == 1.0:

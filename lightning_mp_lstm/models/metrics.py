@@ -1,10 +1,15 @@
-"""What a language model logs: the training loss and tokens per second per step, and for evaluation the loss over
-all target tokens of the split and its perplexity.
+"""What a language model logs: the training loss per step and its tokens per second, and for evaluation the loss
+over all target tokens of the split and its perplexity.
 
 :class:`LanguageModelMetrics` logs them through ``LightningModule.log`` under names like ``train/loss`` or
 ``val_ppl``; the ``mp_lstm`` strategy uses it for the batches it runs, and :class:`~lightning_mp_lstm.LSTMLanguageModel`
 for its own steps, so a model logs the same names with or without the strategy. Evaluation values accumulate on the
 device (no host synchronization per batch) in :class:`TokenMean` metrics.
+
+A ``LightningModule.log`` call costs about half a millisecond of the host's time (Lightning's bookkeeping), a step of
+every rank: the loss is logged every step (the progress bar, callbacks and loggers read it), the speed only where
+Lightning hands on-step values to its loggers (every ``log_every_n_steps``), at an epoch's last batch and at the run's
+last step.
 """
 
 from __future__ import annotations
@@ -55,8 +60,8 @@ class LanguageModelMetrics:
     perplexity.
 
     Args:
-        name: the logged names, with ``{split}`` (train, val, test) and ``{metric}`` (loss, ppl, tokens_per_s, or a
-            term's name).
+        name: the logged names, with ``{split}`` (train, val, test) and ``{metric}`` (loss, ppl, tokens_per_s_step,
+            tokens_per_s_epoch, or a term's name).
         reduction: what the loss averages over (``"token_mean"``, ``"sequence_mean"``, ``"sum"``): evaluation
             batches are weighted by it, and perplexity is the exponential of the loss per target token.
     """
@@ -65,10 +70,12 @@ class LanguageModelMetrics:
         self.name, self.reduction = name, reduction
         self._means: dict[tuple[str, str], Metric] = {}
         self._last_step: float | None = None
+        self._tokens: torch.Tensor | None = None  # since the speed was last logged
+        self._seconds = 0.0
 
     def start_epoch(self) -> None:
         """A training epoch starts: the first step's interval would include the epoch's set-up."""
-        self._last_step = None
+        self._last_step, self._tokens, self._seconds = None, None, 0.0
 
     def _metric(self, key: tuple[str, str], device: torch.device, make: Any) -> Any:
         metric = self._means.get(key)
@@ -82,8 +89,10 @@ class LanguageModelMetrics:
             weights: torch.Tensor | None = None, terms: dict[str, torch.Tensor] | None = None) -> None:
         """Log a batch's loss ``loss`` over ``tokens`` target tokens (``rows`` sequences), and its named ``terms``.
 
-        Training: the loss and terms per step (and tokens per second from the second step of an epoch). Evaluation:
-        the split's loss, terms and perplexity over all its batches, at the end of the epoch.
+        Training: the loss and terms per step; tokens per second from the second step of an epoch, as
+        ``tokens_per_s_step`` (the tokens over the seconds since it was last logged) and ``tokens_per_s_epoch`` (the
+        mean of the epoch's steps), logged at Lightning's logging steps only (see the module's docstring).
+        Evaluation: the split's loss, terms and perplexity over all its batches, at the end of the epoch.
 
         Args:
             weights: the global batch's ``[tokens, sequences]`` (``None``: ``tokens`` and ``rows``).
@@ -93,14 +102,7 @@ class LanguageModelMetrics:
             module.log(self.name.format(split=split, metric="loss"), loss, prog_bar=True, batch_size=rows)
             for term, value in terms.items():
                 module.log(self.name.format(split=split, metric=term), value, batch_size=rows)
-            now = time.perf_counter()
-            if self._last_step is not None:
-                speed = self._metric((split, "tokens_per_s"), loss.device,
-                                     lambda: MeanMetric(sync_on_compute=False, nan_strategy="ignore"))
-                speed(tokens.float() / (now - self._last_step))
-                module.log(self.name.format(split=split, metric="tokens_per_s"), speed, on_step=True, on_epoch=True,
-                           prog_bar=True, batch_size=rows, metric_attribute=f"_lm_metrics_{split}_tokens_per_s")
-            self._last_step = now
+            self._log_speed(module, tokens)
             return
         sequences = weights[1] if weights is not None else torch.as_tensor(rows, device=loss.device)
         weight = {"token_mean": tokens, "sequence_mean": sequences}.get(self.reduction, torch.ones_like(tokens))
@@ -111,3 +113,33 @@ class LanguageModelMetrics:
             module.log(self.name.format(split=split, metric=metric), mean, on_step=False, on_epoch=True,
                        prog_bar=split == "val" and metric in ("loss", "ppl"),
                        metric_attribute=f"_lm_metrics_{split}_{metric}")
+
+    def _log_speed(self, module: Any, tokens: torch.Tensor) -> None:
+        now = time.perf_counter()
+        last, self._last_step = self._last_step, now
+        if last is None:
+            return
+        seconds = now - last
+        speed = self._metric(("train", "tokens_per_s"), tokens.device,
+                             lambda: MeanMetric(sync_on_compute=False, nan_strategy="ignore"))
+        speed.update(tokens.float() / seconds)  # the epoch's mean of every step, logged or not
+        self._tokens = tokens if self._tokens is None else self._tokens + tokens
+        self._seconds += seconds
+        if not _logging_step(getattr(module, "_trainer", None)):
+            return
+        module.log(self.name.format(split="train", metric="tokens_per_s_step"), self._tokens.float() / self._seconds,
+                   prog_bar=True, batch_size=1)
+        module.log(self.name.format(split="train", metric="tokens_per_s_epoch"), speed, on_step=False, on_epoch=True,
+                   metric_attribute="_lm_metrics_train_tokens_per_s")
+        self._tokens, self._seconds = None, 0.0
+
+
+def _logging_step(trainer: Any) -> bool:
+    """Whether Lightning hands this training step's on-step values to its loggers (its ``log_every_n_steps``), the
+    step is its epoch's last or the run's last (``max_steps``); always without a trainer."""
+    if trainer is None:
+        return True
+    step = trainer.global_step + 1
+    every = trainer.log_every_n_steps
+    return bool((every > 0 and step % every == 0) or trainer.is_last_batch or trainer.should_stop
+                or 0 < trainer.max_steps <= step)

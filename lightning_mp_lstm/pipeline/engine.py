@@ -212,12 +212,13 @@ class PipelineEngine:
         schedule = self._schedule(inputs.shape, mode)
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
+        early = self._receive_terms_early(mode)
         with self._loss_context():  # forward and backward of a vocabulary-parallel loss run inside it
             if mode == "train":
                 schedule.step(*args, target=target, return_outputs=False)
             else:
                 schedule.eval(*args, target=target)
-        terms = self._reduce_terms(self.model.finish_batch(), mode)
+        terms = self._reduce_terms(self.model.finish_batch(), mode, early)
         terms = {name: value * accumulation for name, value in terms.items()}
         loss = terms.pop("loss")
         return StepResult(loss, tokens, weights, terms)
@@ -230,9 +231,24 @@ class PipelineEngine:
             return self.model.batch_weights(whole)
         return self._sum_over_replicas(self.model.batch_weights(share))
 
-    def _reduce_terms(self, local: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
+    def _receive_terms_early(self, mode: str) -> tuple[torch.Tensor, Any] | None:
+        """On gloo, a rank that takes the batch's terms from the last stage's (:meth:`_from_last_stage`) posts its
+        receive before the schedule: the terms land while it finishes its part, and it finds them there (a receive
+        posted after the send waits for a round trip between the processes: 0.45 ms against 0.04 ms measured on
+        two CPU processes). gloo matches a message by its tag; NCCL matches point-to-point operations in the order
+        they are issued, so there the receive follows the schedule's own."""
+        names = self._term_names.get(mode)
+        if (names is None or self.has_last_stage or not self._terms_on_last_rank or not _shared(self.groups.pipeline)
+                or dist.get_backend(self.groups.pipeline) != "gloo"):
+            return None
+        buffer = torch.empty(len(names), dtype=torch.float64, device=self.device)
+        return buffer, dist.irecv(buffer, group=self.groups.pipeline, group_src=self._last_stage_rank, tag=_TERMS_TAG)
+
+    def _reduce_terms(self, local: dict[str, torch.Tensor], mode: str,
+                      early: tuple[torch.Tensor, Any] | None = None) -> dict[str, torch.Tensor]:
         """The batch's loss terms summed over the pipeline's stages and the replicas (one collective each), under the
-        names every rank agreed on at its first batch of ``mode``."""
+        names every rank agreed on at its first batch of ``mode`` (``early``: the receive
+        :meth:`_receive_terms_early` posted)."""
         names = self._term_names.get(mode)
         if names is None:
             names = self.model.term_names
@@ -249,13 +265,13 @@ class PipelineEngine:
         if not _shared(self.groups.pipeline):
             values = self._sum_over_replicas(values)
         elif self._terms_on_last_rank:
-            values = self._from_last_stage(values)
+            values = self._from_last_stage(values, early)
         else:  # a penalty on an earlier stage's rank: every rank's pieces, summed
             dist.all_reduce(values, group=self.groups.pipeline)
             values = self._sum_over_replicas(values)
         return dict(zip(names, values.unbind(), strict=True))
 
-    def _from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
+    def _from_last_stage(self, values: torch.Tensor, early: tuple[torch.Tensor, Any] | None = None) -> torch.Tensor:
         """The batch's terms when the last stage's rank computes every piece: it sums them over the replicas and sends
         them to the rest of its pipeline without waiting, so it goes on to its optimizer step while the first stages
         finish their backward (a collective here would hold it until the last of them); the others take the terms
@@ -266,6 +282,10 @@ class PipelineEngine:
             self._sends = [dist.isend(values, group=group, group_dst=peer, tag=_TERMS_TAG)
                            for peer in range(dist.get_world_size(group)) if peer != last]
             return values
+        if early is not None:
+            buffer, work = early
+            work.wait()
+            return buffer
         dist.recv(values, group=group, group_src=last, tag=_TERMS_TAG)
         return values
 
