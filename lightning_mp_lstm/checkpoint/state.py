@@ -172,9 +172,8 @@ def load_optimizer_state(
     entries = dict(state["state"])
     # The kernel choice (fused, foreach) is how this process computes the update, not training state: a checkpoint
     # of another layout (sharded parameters take no fused kernels) or of an earlier version keeps this optimizer's.
-    own = optimizer.param_groups
-    groups = [{**g, "params": list(g["params"]),
-               **{k: own[min(i, len(own) - 1)][k] for k in _KERNEL_KEYS if k in own[min(i, len(own) - 1)]}}
+    kernels = [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+    groups = [{**g, "params": list(g["params"]), **kernels[min(i, len(kernels) - 1)]}
               for i, g in enumerate(state["param_groups"])]
     names = [n for n, _ in module.named_parameters()]
     for name in names:  # a tied weight's copy that this process knows by a further name only
