@@ -6,7 +6,9 @@ span) from the run's ``metrics.csv``. Two numbers come out, each against its goa
 
 * the median tail (optimizer step, clipping, Lightning's loop): at most 10 % of the step;
 * the slowest step of the window against the median step of the same shape (the main job's buckets have
-  different lengths): at most 1.5, so nothing stalls a step, reporting included.
+  different lengths): at most 1.5, so nothing stalls a step, reporting included. A shape's first step of the run
+  builds its stages and schedule (MXNet's executor per bucket) and is warm-up: it is reported apart
+  (``first_of_shape``), not counted, and the steps before the window are recorded only to know which those are.
 
     python benchmarks/main_job.py [--first 10] [--steps 200] [train.py overrides ...]
 """
@@ -30,9 +32,9 @@ __all__ = ["main", "measure", "summarize"]
 
 
 def measure(first: int, steps: int, overrides: list[str]) -> list[dict[str, float]]:
-    """Run the main job recording steps ``first .. first + steps - 1``; their recorded metrics, in step order."""
+    """Run the main job recording steps ``0 .. first + steps - 1``; their recorded metrics, in step order."""
     with tempfile.TemporaryDirectory() as scratch:
-        window = ",".join(str(s) for s in range(first, first + steps))
+        window = ",".join(str(s) for s in range(first + steps))
         command = [sys.executable, "train.py", f"hydra.run.dir={scratch}", f"callbacks.timeline.steps=[{window}]",
                    f"trainer.max_steps={first + steps}", "evaluate=false", *overrides]
         subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -47,19 +49,30 @@ def measure(first: int, steps: int, overrides: list[str]) -> list[dict[str, floa
     return sorted(rows, key=lambda r: r["step"])
 
 
-def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
-    """Medians, the slowest step against the median of its shape, and the goals of the recorded steps."""
+def summarize(rows: list[dict[str, float]], first: int = 0) -> dict[str, Any]:
+    """Medians, the slowest step against the median of its shape, and the goals of the steps from ``first`` on,
+    each shape's first step of ``rows`` left out (reported as ``first_of_shape``: step -> its time over its shape's
+    median)."""
     median = statistics.median
-    by_shape: dict[float, list[float]] = {}
+    seen: set[float] = set()
+    window, first_of_shape = [], []
     for r in rows:
+        new_shape = r["elements"] not in seen
+        seen.add(r["elements"])
+        if r["step"] >= first:
+            (first_of_shape if new_shape else window).append(r)
+    by_shape: dict[float, list[float]] = {}
+    for r in window:
         by_shape.setdefault(r["elements"], []).append(r["step_s"])
-    ratios = [r["step_s"] / median(by_shape[r["elements"]]) for r in rows]
-    slowest = max(range(len(rows)), key=ratios.__getitem__)
-    tail = median(r["tail"] for r in rows)
-    return {"steps": len(rows), "shapes": len(by_shape), "median_step_s": median(r["step_s"] for r in rows),
-            "median_tokens_per_s": median(r["tokens_per_s"] for r in rows), "median_tail": tail,
-            "max_tail": max(r["tail"] for r in rows), "slowest_step": rows[slowest]["step"],
+    ratios = [r["step_s"] / median(by_shape[r["elements"]]) for r in window]
+    slowest = max(range(len(window)), key=ratios.__getitem__)
+    tail = median(r["tail"] for r in window)
+    return {"steps": len(window), "shapes": len(by_shape), "median_step_s": median(r["step_s"] for r in window),
+            "median_tokens_per_s": median(r["tokens_per_s"] for r in window), "median_tail": tail,
+            "max_tail": max(r["tail"] for r in window), "slowest_step": window[slowest]["step"],
             "slowest_over_its_shape_median": ratios[slowest],
+            "first_of_shape": {r["step"]: r["step_s"] / median(by_shape[r["elements"]])
+                               for r in first_of_shape if r["elements"] in by_shape},
             "goals": {"median tail <= 0.10": tail <= 0.10,
                       "slowest step / its shape's median <= 1.5": ratios[slowest] <= 1.5}}
 
@@ -70,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="how many consecutive steps to record")
     parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args, overrides = parser.parse_known_args(argv)
-    summary = summarize(measure(args.first, args.steps, overrides))
+    summary = summarize(measure(args.first, args.steps, overrides), args.first)
     summary["command"] = " ".join(["python benchmarks/main_job.py", *(argv if argv is not None else sys.argv[1:])])
     print(json.dumps(summary, indent=1))
     if args.json is not None:

@@ -261,3 +261,18 @@ def test_the_main_job_summary_finds_a_stalled_step_among_its_shape():
     stalled = main_job.summarize(rows)
     assert stalled["slowest_step"] == 14 and stalled["slowest_over_its_shape_median"] == pytest.approx(2.0)
     assert stalled["goals"] == {"median tail <= 0.10": True, "slowest step / its shape's median <= 1.5": False}
+
+
+def test_a_shapes_first_step_is_warm_up_reported_apart():
+    """The first step of a shape builds its stages: however slow, it is listed apart and never the stall; steps
+    before the window only tell which steps those are."""
+    rows = [{"step": i, "step_s": 0.01, "tail": 0.05, "tokens_per_s": 1000.0, "elements": 64.0} for i in range(8)]
+    rows.append({"step": 8, "step_s": 0.05, "tail": 0.01, "tokens_per_s": 200.0, "elements": 128.0})  # new shape
+    rows += [{"step": 9 + i, "step_s": 0.02, "tail": 0.05, "tokens_per_s": 1000.0, "elements": 128.0}
+             for i in range(3)]
+    summary = main_job.summarize(rows, first=4)
+    assert summary["steps"] == 7  # steps 4-7 and 9-11; step 8 is the new shape's first
+    assert summary["first_of_shape"] == {8: pytest.approx(2.5)}
+    assert summary["slowest_over_its_shape_median"] == pytest.approx(1.0) and all(summary["goals"].values())
+    rows[10] = {**rows[10], "step_s": 0.04}  # a later step of that shape stalls: counted
+    assert main_job.summarize(rows, first=4)["slowest_step"] == 10

@@ -26,6 +26,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.models.contract import PipelineModel
 from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients, clip_grad_norm_
+from lightning_mp_lstm.pipeline.norm_exchange import NormExchange
 from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness
 from lightning_mp_lstm.pipeline.tied import TiedWeights
 from lightning_mp_lstm.pipeline.wavefront import WavefrontSchedule
@@ -159,6 +160,7 @@ class PipelineEngine:
         self._terms_on_last_rank = all(layout.rank_of_stage(s) == self._last_stage_rank
                                        for s in (term_stages or [layout.num_stages - 1]))
         self._sends: list[Any] = []
+        self._norms = NormExchange(groups.pipeline, device)
 
     # ----- running batches ---------------------------------------------------------------------------------
     def forward_backward(self, batch: Any, accumulation: int = 1) -> StepResult:
@@ -290,8 +292,8 @@ class PipelineEngine:
         return values
 
     def flush(self) -> None:
-        """Wait for the last batch's terms to reach the rest of the pipeline (they did, when it ran a batch since)."""
-        for work in self._sends:
+        """Wait for the last batch's terms and clip norms to reach the rest of the pipeline (sent by then)."""
+        for work in [*self._sends, *self._norms.take_sends()]:
             work.wait()
         self._sends = []
 
@@ -302,12 +304,20 @@ class PipelineEngine:
         all_reduce_gradients(parameters, self.groups.data_parallel)
         self.tied.all_reduce()
 
+    def expect_clip(self) -> None:
+        """This optimizer step ends in :meth:`clip_grad_norm_` on every rank: post the norms' receives (gloo)."""
+        self._norms.expect()
+
+    def cancel_clip(self) -> None:
+        """Answer the receives :meth:`expect_clip` posted if no clip took them (call it when the step ends)."""
+        self._norms.cancel()
+
     def clip_grad_norm_(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (every stage and shard; a tied weight counted once)."""
         params = list(parameters)
         tensor = self.groups.tensor_parallel if _shared(self.groups.tensor_parallel) else None
         return clip_grad_norm_(params, max_norm, self.device, self.groups.pipeline, tensor,
-                               counted=self.tied.in_norm(params))
+                               counted=self.tied.in_norm(params), pipeline_sum=self._norms.take())
 
     def check_finite(self, loss: torch.Tensor, where: str) -> None:
         """Raise ``FloatingPointError`` on every rank (the loss is the same everywhere) when ``loss`` is not finite,

@@ -3,7 +3,7 @@ the global norm over every stage and shard (torchtitan's ``clip_grad_norm_(..., 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ def clip_grad_norm_(
     pipeline_group: dist.ProcessGroup | None = None,
     tensor_group: dist.ProcessGroup | None = None,
     counted: Iterable[nn.Parameter] | None = None,
+    pipeline_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Scale the gradients of ``parameters`` so that the norm of the whole model's gradient is at most ``max_norm``.
 
@@ -63,6 +64,8 @@ def clip_grad_norm_(
         pipeline_group, tensor_group: the process groups to sum over (``None``: no such dimension).
         counted: the parameters whose gradients enter the norm (default: all); a tied weight's second copy is left
             out so that it counts once.
+        pipeline_sum: the pipeline's squared norm from this process's, in place of an all-reduce over
+            ``pipeline_group`` (the engine's exchange through receives posted before the schedule).
 
     Returns:
         The global norm before clipping.
@@ -76,7 +79,9 @@ def clip_grad_norm_(
         if tensor_group is not None:
             dist.all_reduce(shards, group=tensor_group)
         squared = squared + shards
-    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+    if pipeline_sum is not None:
+        squared = pipeline_sum(squared)
+    elif pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
         dist.all_reduce(squared, group=pipeline_group)
     norm = squared.sqrt()
     # What clip_grads_with_norm_ does, on local shards: its foreach kernels refuse DTensor and plain grads mixed.

@@ -17,6 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -43,6 +44,15 @@ def set_numerics(mode: str) -> None:
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def _clips_by_norm(model: Any) -> bool:
+    """Whether Lightning's automatic optimization will clip ``model``'s gradients by norm after the closure."""
+    if not isinstance(model, pl.LightningModule) or not model.automatic_optimization:
+        return False
+    trainer = model.trainer
+    return (trainer.gradient_clip_val or 0) > 0 and trainer.gradient_clip_algorithm in (None,
+                                                                                       GradClipAlgorithmType.NORM)
 
 
 class PipelinePrecision(Precision):
@@ -150,7 +160,12 @@ class PipelinePrecision(Precision):
             self.engine.reduce_gradients(self._parameters())
             return result
 
-        return super().optimizer_step(optimizer, model, closure_then_reduce, **kwargs)
+        if _clips_by_norm(model):
+            self.engine.expect_clip()
+        try:
+            return super().optimizer_step(optimizer, model, closure_then_reduce, **kwargs)
+        finally:
+            self.engine.cancel_clip()  # nothing to do once the clip took the norms it expected
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
