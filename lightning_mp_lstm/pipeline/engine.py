@@ -413,12 +413,12 @@ class PipelineEngine:
             # through this library's loop, one time chunk, the same stage placement.
             return WavefrontSchedule(self.stage_modules, layout, self.groups.pipeline, self.device, rows, length, 1,
                                      loss_fn)
-        stages = [Stage(module, index, layout.num_stages, self.device, group=self.groups.pipeline)
+        ahead = layout.style == "single" and dist.get_backend(self.groups.pipeline) == "gloo"  # Stage.receive_ahead
+        stages = [Stage(module, index, layout.num_stages, self.device, group=self.groups.pipeline, receive_ahead=ahead)
                   for index, module in self.stage_modules.items()]
         schedule_cls = get_schedule_class(layout.schedule)
         target = stages[0] if layout.style == "single" else stages
-        return schedule_cls(target, layout.n_microbatches, loss_fn=loss_fn,
-                            scale_grads=False)
+        return schedule_cls(target, layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def _broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's value of ``tensor`` (same shape and dtype everywhere) on every rank of the pipeline."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
@@ -187,11 +188,25 @@ def _on_cuda(randomness: StageRandomness | None) -> bool:
 
 
 class Stage(PipelineStage):
-    """``PipelineStage`` that tells its module when it runs only to infer shapes.
+    """``PipelineStage`` that tells its module when it runs only to infer shapes, and may post its receives ahead.
 
     torch infers the shapes a stage sends from a first forward (and backward) on uninitialized tensors; that
     pass must neither draw dropout masks nor count as a non-finite output.
+
+    Args:
+        args, kwargs: ``PipelineStage``'s arguments.
+        receive_ahead: when the schedule asks for a microbatch's receives, post the next microbatch's too, and wait
+            for them when its forward (backward) starts. gloo sends a message at once only to a receive already
+            posted; to a later one it answers once asked, a round trip through the sender's transport thread,
+            which on busy cores waits for the sender's computation. Only for one stage per process on gloo: each
+            peer then sends this stage one kind of message, in microbatch order, which is the order the posted
+            receives take them; NCCL pairs point-to-point operations in issue order, which this would change.
     """
+
+    def __init__(self, *args: Any, receive_ahead: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.receive_ahead = receive_ahead
+        self._posted: dict[tuple[str, int], list[Any]] = {}
 
     @override
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
@@ -213,12 +228,14 @@ class Stage(PipelineStage):
     # The timeline (lightning_mp_lstm.timeline): spans of computation, tags on the point-to-point operations.
     @override
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self._wait_posted("forward", fwd_chunk_id)
         self.submod.microbatch = fwd_chunk_id  # a model that carries state per microbatch reads it
         with RECORDER.span("forward", self.stage_index, fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     @override
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
+        self._wait_posted("backward", bwd_chunk_id)
         kind = "backward" if full_backward else "backward_input"
         with RECORDER.span(kind, self.stage_index, bwd_chunk_id):
             return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
@@ -230,6 +247,8 @@ class Stage(PipelineStage):
 
     @override
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> Any:
+        if self.receive_ahead:
+            return self._post_ahead("forward", fwd_chunk_id, super().get_fwd_recv_ops, self.args_recv_info)
         return RECORDER.tag(super().get_fwd_recv_ops(fwd_chunk_id), "recv", "forward", self.stage_index, fwd_chunk_id)
 
     @override
@@ -238,8 +257,27 @@ class Stage(PipelineStage):
 
     @override
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> Any:
+        if self.receive_ahead:
+            return self._post_ahead("backward", bwd_chunk_id, super().get_bwd_recv_ops, self.grad_recv_info)
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
         return RECORDER.tag(ops, "recv", "backward", self.stage_index, bwd_chunk_id)
+
+    def _post_ahead(self, direction: str, chunk: int, make_ops: Callable[[int], list[Any]],
+                    infos: dict[int, Any]) -> list[Any]:
+        """Post the receives of ``chunk`` (unless posted already) and of the next microbatch; the schedule gets no
+        operation to issue (the stage waits for its own at the microbatch's start)."""
+        for index in (chunk, chunk + 1):
+            if index in infos and (direction, index) not in self._posted:
+                works = [dist.irecv(op.tensor, group=op.group, group_src=op.group_peer, tag=op.tag)
+                         for op in make_ops(index)]
+                if works:
+                    self._posted[direction, index] = works
+        return []
+
+    def _wait_posted(self, direction: str, chunk: int) -> None:
+        works = self._posted.pop((direction, chunk), None)
+        if works:
+            RECORDER.wait_received(works, direction, self.stage_index, chunk)
 
     @override
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> Any:

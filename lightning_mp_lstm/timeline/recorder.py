@@ -81,6 +81,17 @@ class Recorder:
                 self._tags[id(op)] = (kind, direction, stage, microbatch, peer)
         return ops
 
+    def wait_received(self, works: Sequence[Any], direction: str, stage: int, microbatch: int) -> None:
+        """Wait for the receives a stage posted ahead of the schedule
+        (:attr:`~lightning_mp_lstm.pipeline.stages.Stage.receive_ahead`), recorded as a ``recv`` span of
+        ``direction`` (``"forward"``: activations, ``"backward"``: gradients) while a step is recorded."""
+        before = self._clock.mark() if self.active else None
+        for work in works:
+            work.wait()
+        if before is not None:
+            peer = stage - 1 if direction == "forward" else stage + 1
+            self._raw.append(("recv", stage, microbatch, before, self._clock.mark(), direction, peer))
+
     # ----- what the schedules call, through the hooks ------------------------------------------------------
     def _batch_p2p(self, original: Callable[..., list[Any]], ops: list[Any], desc: str | None) -> list[Any]:
         # On a GPU this mark completes once the stream has run what was queued before the send (the computation
