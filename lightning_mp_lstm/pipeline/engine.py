@@ -34,8 +34,8 @@ from lightning_mp_lstm.planning.layout import ParallelLayout
 
 __all__ = ["PipelineEngine", "ProcessGroups", "StepResult", "build_engine", "split_model"]
 
-#: The tag of the loss terms the last stage's rank sends (apart from the schedules' activations and gradients).
-_TERMS_TAG = 1 << 20
+#: The tags of the loss terms the last stage's rank sends and of the clip's norms (apart from the schedules' messages).
+_TERMS_TAG, _NORM_TAG = 1 << 20, (1 << 20) + 1
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class PipelineEngine:
         self._terms_on_last_rank = all(layout.rank_of_stage(s) == self._last_stage_rank
                                        for s in (term_stages or [layout.num_stages - 1]))
         self._sends: list[Any] = []
-        self._norms = NormExchange(groups.pipeline, device)
+        self._norms = NormExchange(groups.pipeline, device, _NORM_TAG)
 
     # ----- running batches ---------------------------------------------------------------------------------
     def forward_backward(self, batch: Any, accumulation: int = 1) -> StepResult:

@@ -15,10 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["NORM_TAG", "NormExchange"]
-
-#: The tag of the squared norms (apart from the schedules' activations and gradients and the loss terms).
-NORM_TAG = (1 << 20) + 1
+__all__ = ["NormExchange"]
 
 
 class NormExchange:
@@ -27,10 +24,11 @@ class NormExchange:
     Args:
         group: the pipeline's process group.
         device: where the norms are (the process's device).
+        tag: the tag of the norms' messages, apart from every other message between the pipeline's ranks.
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group, self.device = group, device
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, tag: int) -> None:
+        self.group, self.device, self.tag = group, device, tag
         self._receives: dict[int, tuple[torch.Tensor, Any]] | None = None
         self._sends: list[Any] = []
         self._answered: list[Any] = []  # receives cancel() answered, kept until they complete
@@ -50,7 +48,7 @@ class NormExchange:
         for peer in range(dist.get_world_size(self.group)):
             if peer != me:
                 buffer = torch.empty((), dtype=torch.float32, device=self.device)
-                self._receives[peer] = buffer, dist.irecv(buffer, group=self.group, group_src=peer, tag=NORM_TAG)
+                self._receives[peer] = buffer, dist.irecv(buffer, group=self.group, group_src=peer, tag=self.tag)
 
     def take(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The pipeline's sum of a squared norm through the posted receives (``None``: none posted, all-reduce).
@@ -63,7 +61,7 @@ class NormExchange:
             return None
 
         def total(squared: torch.Tensor) -> torch.Tensor:
-            self._sends += [dist.isend(squared, group=self.group, group_dst=peer, tag=NORM_TAG) for peer in receives]
+            self._sends += [dist.isend(squared, group=self.group, group_dst=peer, tag=self.tag) for peer in receives]
             for _, work in receives.values():
                 work.wait()
             me = dist.get_rank(self.group)
@@ -84,7 +82,7 @@ class NormExchange:
         receives, self._receives = self._receives, None
         if receives:
             nothing = torch.full((), float("nan"), dtype=torch.float32, device=self.device)
-            self._sends += [dist.isend(nothing, group=self.group, group_dst=peer, tag=NORM_TAG) for peer in receives]
+            self._sends += [dist.isend(nothing, group=self.group, group_dst=peer, tag=self.tag) for peer in receives]
             self._answered += [work for _, work in receives.values()]
 
     def take_sends(self) -> list[Any]:

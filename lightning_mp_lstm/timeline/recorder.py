@@ -76,7 +76,7 @@ class Recorder:
             ``ops``, unchanged.
         """
         if self.active:
-            peer = stage + 1 if (direction == "forward") == (kind == "send") else stage - 1
+            peer = _peer_stage(kind, direction, stage)
             for op in ops:
                 self._tags[id(op)] = (kind, direction, stage, microbatch, peer)
         return ops
@@ -89,8 +89,8 @@ class Recorder:
         for work in works:
             work.wait()
         if before is not None:
-            peer = stage - 1 if direction == "forward" else stage + 1
-            self._raw.append(("recv", stage, microbatch, before, self._clock.mark(), direction, peer))
+            self._raw.append(("recv", stage, microbatch, before, self._clock.mark(), direction,
+                              _peer_stage("recv", direction, stage)))
 
     # ----- what the schedules call, through the hooks ------------------------------------------------------
     def _batch_p2p(self, original: Callable[..., list[Any]], ops: list[Any], desc: str | None) -> list[Any]:
@@ -167,6 +167,11 @@ class Recorder:
         self.active = False
         self._hooks.remove()
         self._raw, self._tags, self._pending = [], {}, {}
+
+
+def _peer_stage(kind: str, direction: str, stage: int) -> int:
+    """The stage at the other end of a ``kind`` (send, recv) of ``direction`` (forward, backward) from ``stage``."""
+    return stage + 1 if (direction == "forward") == (kind == "send") else stage - 1
 
 
 #: The recorder of this process; pipeline stages report to it.
