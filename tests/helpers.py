@@ -165,9 +165,11 @@ class FixedBatches(pl.LightningDataModule):
         return self._shard(self.val)
 
 
-def tiny_model(num_layers: int = 2, vocab: int = VOCAB, seed: int = 0, **kwargs: Any) -> LSTMLanguageModel:
-    """The tests' LSTM language model: embedding 6, hidden 8, seeded."""
-    torch.manual_seed(seed)
+def tiny_model(num_layers: int = 2, vocab: int = VOCAB, seed: int | None = 0, **kwargs: Any) -> LSTMLanguageModel:
+    """The tests' LSTM language model: embedding 6, hidden 8, seeded (``torch.manual_seed``, every device's
+    generator; ``seed=None``: the caller seeded)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     return LSTMLanguageModel(vocab, **{"embedding_dim": 6, "hidden_size": 8, "num_layers": num_layers, **kwargs})
 
 

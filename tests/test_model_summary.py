@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import summarize
 
@@ -42,6 +43,20 @@ def test_the_summary_counts_lstm_flops_and_a_meta_model_is_counted_as_the_real_o
         real.total_parameters, real.total_flops, real.layer_names, real.param_nums, real.out_sizes)
     assert whole.out_sizes[whole.layer_names.index("decoder")] == [ROWS, LENGTH, 40]
     assert all(p.is_meta for p in meta.parameters())  # the forward ran on a copy
+
+
+def test_a_meta_model_is_counted_on_the_cpu_whatever_device_lightning_set_for_its_setup_hook():
+    # Lightning's setup hook sets every submodule's device to the strategy's (cuda:0 on a GPU) while the model is
+    # still on the meta device; the counting copy must not send the example input there (it did on a GPU).
+    with torch.device("meta"):
+        meta = _model()
+    meta.example_input_array = torch.zeros(ROWS, LENGTH, dtype=torch.long)
+    for module in meta.modules():
+        if isinstance(module, _DeviceDtypeModuleMixin):
+            module._device = torch.device("cuda", 0)
+    whole = WholeModelSummary(meta, max_depth=1)
+    assert whole.total_flops == _analytic_flops()
+    assert meta.device == torch.device("cuda", 0)  # the model itself is left as Lightning set it
 
 
 def _fit_pp2(rank: int, world_size: int) -> dict:

@@ -91,6 +91,9 @@ class WholeModelSummary(CountingSummary):
             model.example_input_array = example
         if meta and example is not None:
             runnable = copy.deepcopy(model).to_empty(device="cpu")
+            # Lightning's device of the model is the strategy's (its setup hook sets it) and to_empty leaves it:
+            # the example input would be moved there, away from this copy.
+            runnable.to(device="cpu")
             runnable.example_input_array = example
             shapes = CountingSummary(runnable, max_depth)
             frozen.update({name: getattr(shapes, name) for name in ("in_sizes", "out_sizes", "flop_counts",
