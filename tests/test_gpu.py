@@ -19,6 +19,7 @@ The same hazards' CPU guards are ``tests/test_device_guards.py`` and ``tests/tes
 
 from __future__ import annotations
 
+import linecache
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import MPLSTMStrategy
+from lightning_mp_lstm import DivergenceGuard, MPLSTMStrategy
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.checkpoint import consolidate, read_checkpoint
 from lightning_mp_lstm.planning import advice
@@ -118,6 +119,44 @@ def test_one_gpu_fits_validates_tests_and_predicts_and_keeps_everything_on_the_g
     assert (seen["built"], seen["materialized"]) == (True, True)
     cached, bound = seen["cached"]
     assert 0 < cached <= bound
+
+
+# ----- host synchronizations of a training step -----------------------------------------------------------------
+#: The library's only reads of the device in a training step: the loss, for the finite check and DivergenceGuard.
+LOSS_READS = {"if bool(torch.isfinite(loss).all()):", "return None if value is None else float(value)"}
+
+
+def _synchronizations(rank: int, world_size: int) -> list[str]:
+    warnings.filterwarnings("ignore")
+    caught: list[Any] = []
+
+    class Watch(pl.Callback):  # torch's sync debug mode warns at each synchronizing CUDA call, steps 3 to 6
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                self.context = warnings.catch_warnings(record=True)
+                caught.extend([self.context.__enter__()])
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 7:
+                torch.cuda.set_sync_debug_mode("default")
+                self.context.__exit__(None, None, None)
+
+    trainer = _trainer(_strategy(pipeline_parallel_size=1), 1, callbacks=[Watch()], max_steps=8,
+                       limit_val_batches=0, gradient_clip_val=0.5)
+    trainer.callbacks.append(DivergenceGuard(max_loss=100.0))
+    trainer.fit(tiny_model(), datamodule=FixedBatches(train_lengths=(5,) * 8))
+    (records,) = caught
+    return [linecache.getline(w.filename, w.lineno).strip() for w in records
+            if "synchroniz" in str(w.message) and "lightning_mp_lstm" in w.filename]
+
+
+@pytest.mark.timeout(300)
+def test_a_training_step_reads_the_device_only_for_its_loss():
+    # A tensor made from a host number (new_tensor, as_tensor) was a copy that waited for the device every step.
+    (lines,) = run_ranks(_synchronizations, 1, timeout=280)
+    assert lines and set(lines) <= LOSS_READS, lines
 
 
 def test_the_advice_refuses_a_cuda_device():

@@ -104,7 +104,7 @@ class LanguageModelMetrics:
                 module.log(self.name.format(split=split, metric=term), value, batch_size=rows)
             self._log_speed(module, tokens)
             return
-        sequences = weights[1] if weights is not None else torch.as_tensor(rows, device=loss.device)
+        sequences = weights[1] if weights is not None else torch.full((), rows, device=loss.device)
         weight = {"token_mean": tokens, "sequence_mean": sequences}.get(self.reduction, torch.ones_like(tokens))
         for metric, value, count in (("loss", loss, None), ("ppl", loss, tokens),
                                      *((term, value, None) for term, value in terms.items())):

@@ -90,7 +90,8 @@ class Objective:
     def batch_weights(self, targets: torch.Tensor) -> torch.Tensor:
         """``[target tokens, sequences]`` of a replica's real rows (the engine sums them over replicas)."""
         tokens = (targets != self.ignore_index).sum()
-        return torch.stack([tokens, tokens.new_tensor(targets.shape[0])])
+        # Filled on the device: a tensor made from a host number is a copy that waits for the device (CUDA).
+        return torch.stack([tokens, torch.full_like(tokens, targets.shape[0])])
 
     def start_batch(self, counts: torch.Tensor, microbatch_rows: Sequence[int], accumulation: int) -> None:
         """A batch starts: its global ``[tokens, sequences]``, the real rows of each microbatch, the batches
@@ -150,7 +151,8 @@ class Objective:
             return sum(terms.values())
         weight = {"token_mean": (targets != self.ignore_index).sum(), "sequence_mean": real}.get(self.reduction, 1)
         dtype = next(iter(terms.values())).dtype
-        weight = torch.as_tensor(weight, dtype=torch.float64, device=logits.device)
+        weight = (weight.to(torch.float64) if isinstance(weight, torch.Tensor)
+                  else torch.full((), weight, dtype=torch.float64, device=logits.device))  # no host-to-device copy
         return self._record(terms, (weight / self._normalizer().double()).to(dtype))
 
     def _builtin(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
