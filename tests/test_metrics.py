@@ -4,9 +4,14 @@ where Lightning hands on-step values to its loggers, at an epoch's last batch an
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
 
+import lightning_mp_lstm.models.metrics as metrics_module
+from lightning_mp_lstm.models.metrics import LanguageModelMetrics
 from tests.helpers import FixedBatches, quiet_trainer, tiny_model
 
 
@@ -32,3 +37,27 @@ def test_the_speed_is_logged_at_logging_steps_and_the_last_the_loss_every_step(e
     assert speed == [batch for batch, names in logged.items() if "train/tokens_per_s_epoch" in names]
     metrics = trainer.callback_metrics
     assert float(metrics["train/tokens_per_s_step"]) > 0 and float(metrics["train/tokens_per_s_epoch"]) > 0
+
+
+def test_the_epoch_speed_is_the_mean_of_every_step_logged_or_not(monkeypatch):
+    # Steps of 1, 2, 4 and 5 s of 100 tokens each after the epoch's first; Lightning logs every third step.
+    clock = iter([0.0, 1.0, 3.0, 7.0, 12.0])
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
+    trainer = SimpleNamespace(global_step=0, log_every_n_steps=3, is_last_batch=False, should_stop=False, max_steps=-1)
+    logged: list[tuple[int, str, Any]] = []
+    module = SimpleNamespace(_trainer=trainer, log=lambda name, value, **kw: logged.append((trainer.global_step, name,
+                                                                                          value)))
+    metrics = LanguageModelMetrics()
+    metrics.start_epoch()
+    for step in range(5):
+        trainer.global_step = step
+        trainer.is_last_batch = step == 4
+        metrics.log(module, "train", torch.tensor(1.0), torch.tensor(100), rows=2)
+    speeds = {(step, name): value for step, name, value in logged if name.startswith("train/tokens_per_s")}
+    assert sorted(speeds) == [(2, "train/tokens_per_s_epoch"), (2, "train/tokens_per_s_step"),
+                              (4, "train/tokens_per_s_epoch"), (4, "train/tokens_per_s_step")]
+    assert float(speeds[2, "train/tokens_per_s_step"]) == pytest.approx(200 / 3)  # 200 tokens in 1 + 2 s
+    assert float(speeds[4, "train/tokens_per_s_step"]) == pytest.approx(200 / 9)  # 200 tokens in 4 + 5 s
+    epoch = speeds[4, "train/tokens_per_s_epoch"]  # the metric Lightning computes at the epoch's end
+    assert float(epoch.compute()) == pytest.approx((100 + 50 + 25 + 20) / 4)
+    assert epoch._update_count == 2  # updated at the two logging steps only (its NaN check reads the device)

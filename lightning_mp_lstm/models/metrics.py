@@ -72,10 +72,11 @@ class LanguageModelMetrics:
         self._last_step: float | None = None
         self._tokens: torch.Tensor | None = None  # since the speed was last logged
         self._seconds = 0.0
+        self._speeds: list[torch.Tensor] = []  # each step's since the speed was last logged
 
     def start_epoch(self) -> None:
         """A training epoch starts: the first step's interval would include the epoch's set-up."""
-        self._last_step, self._tokens, self._seconds = None, None, 0.0
+        self._last_step, self._tokens, self._seconds, self._speeds = None, None, 0.0, []
 
     def _metric(self, key: tuple[str, str], device: torch.device, make: Any) -> Any:
         metric = self._means.get(key)
@@ -120,13 +121,17 @@ class LanguageModelMetrics:
         if last is None:
             return
         seconds = now - last
-        speed = self._metric(("train", "tokens_per_s"), tokens.device,
-                             lambda: MeanMetric(sync_on_compute=False, nan_strategy="ignore"))
-        speed.update(tokens.float() / seconds)  # the epoch's mean of every step, logged or not
+        # The epoch's mean is of every step, logged or not; the steps' speeds reach its metric at logging steps (a
+        # metric's update costs more than the step's speed, and its NaN check reads the device).
+        self._speeds.append(tokens.float() / seconds)
         self._tokens = tokens if self._tokens is None else self._tokens + tokens
         self._seconds += seconds
         if not _logging_step(getattr(module, "_trainer", None)):
             return
+        speed = self._metric(("train", "tokens_per_s"), tokens.device,
+                             lambda: MeanMetric(sync_on_compute=False, nan_strategy="ignore"))
+        speed.update(torch.stack(self._speeds))
+        self._speeds = []
         module.log(self.name.format(split="train", metric="tokens_per_s_step"), self._tokens.float() / self._seconds,
                    prog_bar=True, batch_size=1)
         module.log(self.name.format(split="train", metric="tokens_per_s_epoch"), speed, on_step=False, on_epoch=True,

@@ -84,9 +84,13 @@ def clip_grad_norm_(
     elif pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
         dist.all_reduce(squared, group=pipeline_group)
     norm = squared.sqrt()
-    # What clip_grads_with_norm_ does, on local shards: its foreach kernels refuse DTensor and plain grads mixed.
+    # What clip_grads_with_norm_ does (one multi-tensor kernel per device and dtype), on local shards: its foreach
+    # kernels refuse DTensor and plain grads mixed.
     coefficient = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
         grad = local_tensor(p.grad)
-        grad.mul_(coefficient.to(grad.device, grad.dtype))
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (where, dtype), group in groups.items():
+        torch._foreach_mul_(group, coefficient.to(where, dtype))
     return norm
