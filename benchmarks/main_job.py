@@ -10,7 +10,12 @@ span) from the run's ``metrics.csv``. Two numbers come out, each against its goa
   builds its stages and schedule (MXNet's executor per bucket) and is warm-up: it is reported apart
   (``first_of_shape``), not counted, and the steps before the window are recorded only to know which those are.
 
-    python benchmarks/main_job.py [--first 10] [--steps 200] [train.py overrides ...]
+Beside them, what the machine alone does to a step (``bare_loop``): the bare ``torch.distributed.pipelining`` loop of
+``benchmarks/overhead.py`` (no Lightning, no reporting, no checks) on the main job's model sizes, schedule and most
+common batch shape, as many steps, in the same invocation. Its slowest step over its median is the noise floor of the
+stall check on this machine; its time outside ``schedule.step`` (an optimizer step) is the floor of the tail.
+
+    python benchmarks/main_job.py [--first 10] [--steps 200] [--no-bare-loop] [train.py overrides ...]
 """
 
 from __future__ import annotations
@@ -23,12 +28,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-__all__ = ["main", "measure", "summarize"]
+from benchmarks.overhead import Setup, bare_loop  # noqa: E402
+from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
+
+__all__ = ["BARE_SETUP", "bare_floor", "main", "measure", "summarize"]
+
+#: The main job's model (conf/model/tiny.yaml, the synthetic data's 1000 words), batch size, schedule and its most
+#: common batch length (20 tokens: the middle bucket), for the bare loop.
+BARE_SETUP = Setup(vocab_size=1000, embedding_dim=128, hidden_size=128, num_layers=2, rows=32, length=20,
+                   microbatches=4, schedule="1F1B")
 
 
 def measure(first: int, steps: int, overrides: list[str]) -> list[dict[str, float]]:
@@ -77,13 +92,39 @@ def summarize(rows: list[dict[str, float]], first: int = 0) -> dict[str, Any]:
                       "slowest step / its shape's median <= 1.5": ratios[slowest] <= 1.5}}
 
 
+def _bare_worker(rank: int, world_size: int, steps: int, setup: Setup) -> dict[str, list[float]]:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        return bare_loop(rank, steps, setup)
+    finally:
+        dist.destroy_process_group()
+
+
+def bare_floor(first: int, steps: int, setup: Setup = BARE_SETUP) -> dict[str, float]:
+    """The bare loop's steps ``first .. first + steps - 1`` on this machine (rank 0, which ends each step last):
+    median step, slowest over median, and the median fraction of a step outside ``schedule.step``."""
+    (result, _) = run_ranks(_bare_worker, 2, first + steps, setup, timeout=600)
+    intervals, in_schedule = result["intervals"][first:], result["schedule"][first:]
+    median = statistics.median(intervals)
+    return {"median_step_s": median, "slowest_over_median": max(intervals) / median,
+            "median_outside_schedule": statistics.median((i - s) / i for i, s in zip(intervals, in_schedule)),
+            "setup": asdict(setup)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--first", type=int, default=10, help="the first recorded step (after warm-up)")
     parser.add_argument("--steps", type=int, default=200, help="how many consecutive steps to record")
     parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    parser.add_argument("--no-bare-loop", action="store_true", help="leave the bare loop's noise floor out")
     args, overrides = parser.parse_known_args(argv)
     summary = summarize(measure(args.first, args.steps, overrides), args.first)
+    if not args.no_bare_loop:
+        summary["bare_loop"] = bare_floor(args.first, args.steps)
     summary["command"] = " ".join(["python benchmarks/main_job.py", *(argv if argv is not None else sys.argv[1:])])
     print(json.dumps(summary, indent=1))
     if args.json is not None:

@@ -276,3 +276,15 @@ def test_a_shapes_first_step_is_warm_up_reported_apart():
     assert summary["slowest_over_its_shape_median"] == pytest.approx(1.0) and all(summary["goals"].values())
     rows[10] = {**rows[10], "step_s": 0.04}  # a later step of that shape stalls: counted
     assert main_job.summarize(rows, first=4)["slowest_step"] == 10
+
+
+@pytest.mark.timeout(180)
+def test_the_main_job_benchmark_measures_the_bare_loop_beside_it():
+    """The machine's own noise floor: the bare pipelining loop's steps on two ranks, their slowest over their median and
+    the share of a step outside ``schedule.step``."""
+    setup = main_job.Setup(vocab_size=50, embedding_dim=8, hidden_size=8, num_layers=2, rows=8, length=6,
+                           microbatches=2)
+    floor = main_job.bare_floor(2, 4, setup)
+    assert floor["median_step_s"] > 0 and floor["slowest_over_median"] >= 1.0
+    assert 0.0 < floor["median_outside_schedule"] < 1.0
+    assert floor["setup"]["rows"] == 8 and floor["setup"]["schedule"] == "1F1B"
