@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.models.contract import PipelineModel
+from lightning_mp_lstm.pipeline import predictions
 from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients, clip_grad_norm_
 from lightning_mp_lstm.pipeline.norm_exchange import NormExchange
 from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness
@@ -190,14 +191,10 @@ class PipelineEngine:
         with torch.no_grad():
             logits = schedule.eval(*((inputs,) if self.has_first_stage else ()))
         result = self.model.predictions(logits, targets) if self.has_last_stage and logits is not None else None
-        result = {k: v[:rows] for k, v in self._broadcast_predictions(result).items()}
+        result = predictions.from_last_stage(result, self.groups.pipeline, self._last_stage_rank, self.device)
+        result = {k: v[:rows] for k, v in result.items()}
         if _shared(self.groups.data_parallel):
-            # Every rank of a replica holds its predictions; the first rank of each replica's pipeline sends them to
-            # every rank over the object group (gloo: host memory, never staged through NCCL).
-            leads = [self.layout.global_rank(replica, 0) for replica in range(self.layout.data_parallel_size)]
-            mine = dist.get_rank() in leads
-            every = faults.gather(lambda: {k: v.cpu() for k, v in result.items()} if mine else None)
-            result = {k: torch.cat([every[lead][k] for lead in leads]).to(self.device) for k in result}
+            result = predictions.gather_replicas(result, self.layout, self.device)
         restore = getattr(self.model, "restore_layout", None)
         return restore(result) if restore is not None else result
 
@@ -419,28 +416,6 @@ class PipelineEngine:
         schedule_cls = get_schedule_class(layout.schedule)
         target = stages[0] if layout.style == "single" else stages
         return schedule_cls(target, layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)
-
-    def _broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The last stage's value of ``tensor`` (same shape and dtype everywhere) on every rank of the pipeline."""
-        if not _shared(self.groups.pipeline):
-            return tensor
-        tensor = tensor.contiguous()
-        dist.broadcast(tensor, group=self.groups.pipeline, group_src=self._last_stage_rank)
-        return tensor
-
-    def _broadcast_predictions(self, result: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """The last stage's predictions (``None`` elsewhere) on every rank of the pipeline: their shapes and dtypes
-        first (the model decides them), then the tensors."""
-        if not _shared(self.groups.pipeline):
-            assert result is not None
-            return result
-        # The shapes and dtypes over the object group (every rank's entry, gloo), the tensors over the pipeline group.
-        last = dist.get_global_rank(self.groups.pipeline, self._last_stage_rank)
-        shapes = faults.gather(lambda: {k: (tuple(v.shape), v.dtype) for k, v in result.items()}
-                               if result is not None else None)[last]
-        return {key: self._broadcast_from_last(result[key] if result is not None else
-                                               torch.empty(shape, dtype=dtype, device=self.device))
-                for key, (shape, dtype) in shapes.items()}
 
     def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         if not _shared(self.groups.data_parallel):
