@@ -296,7 +296,7 @@ def test_pickled_objects_travel_on_the_gloo_object_groups_only(runs, name):
     metadata on the pipeline group itself (what it is built for); nothing else may use another group."""
     expected = {"plan", "report", "checkpoint/formats.py:save", "gather_to_rank_zero", "timeline"}
     if "dp2" in name:
-        expected.add("pipeline/engine.py:predict")
+        expected.add("pipeline/predictions.py:gather_replicas")
     for rank, result in enumerate(runs(name)):
         wrong = [call for call in result["objects"] if not call[1].endswith("object group")
                  and not call[2].startswith("torch/distributed/pipelining/")]
