@@ -47,8 +47,10 @@ def check_on_one_clock(record: StepRecord) -> None:
     for span in record.spans:
         assert -CROSS_RANK <= span.start < span.end <= record.wall + SAME_RANK, span
     for (stage, microbatch, kind), span in compute.items():
-        if kind == "backward":
+        if kind in ("loss", "backward"):
             assert span.start >= compute[(stage, microbatch, "forward")].end - SAME_RANK, span
+        if kind == "backward" and (stage, microbatch, "loss") in compute:
+            assert span.start >= compute[(stage, microbatch, "loss")].end - SAME_RANK, span
     for send in sends.values():
         produced = compute[(send.stage, send.microbatch, send.direction)]  # activations: forward; grads: backward
         assert send.start >= produced.end - SAME_RANK, (send, produced)
@@ -67,8 +69,8 @@ def test_every_span_is_on_the_device_clock(gpus, tmp_path):
     assert [r.step for r in records] == list(STEPS)
     for record in records:
         kinds = sorted((s.stage, s.kind, s.microbatch) for s in record.spans if s.kind in COMPUTE)
-        assert kinds == sorted((stage, kind, mb) for stage in range(gpus) for kind in ("forward", "backward")
-                               for mb in range(2))
+        assert kinds == sorted([(stage, kind, mb) for stage in range(gpus) for kind in ("forward", "backward")
+                                for mb in range(2)] + [(gpus - 1, "loss", mb) for mb in range(2)])
         assert len([s for s in record.spans if s.kind == "send"]) == (4 if gpus == 2 else 0)
         check_on_one_clock(record)
     assert (tmp_path / "timeline.png").is_file() and (tmp_path / "timeline.json").is_file()

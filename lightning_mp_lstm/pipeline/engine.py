@@ -32,6 +32,7 @@ from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomnes
 from lightning_mp_lstm.pipeline.tied import TiedWeights
 from lightning_mp_lstm.pipeline.wavefront import WavefrontSchedule
 from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.timeline.recorder import RECORDER
 
 __all__ = ["PipelineEngine", "ProcessGroups", "StepResult", "build_engine", "split_model"]
 
@@ -387,6 +388,16 @@ class PipelineEngine:
         last = self.stage_modules[self.layout.num_stages - 1]
         return self.model.microbatch_loss(logits, targets, None if last.inferring_shapes else last.microbatch)
 
+    def _recorded_loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Torch's schedules compute the loss after the stage's forward (the wavefront inside its forward span): a span
+        # of its own, so the timeline and the bound count the last stage's whole work on a microbatch.
+        index = self.layout.num_stages - 1
+        last = self.stage_modules[index]
+        if last.inferring_shapes:
+            return self._loss_fn(logits, targets)
+        with RECORDER.span("loss", index, last.microbatch or 0):
+            return self._loss_fn(logits, targets)
+
     def _schedule(self, shape: torch.Size, mode: str) -> Any:
         key = (int(shape[0]), int(shape[1]), mode)
         schedule = self._schedules.get(key)
@@ -415,7 +426,8 @@ class PipelineEngine:
                   for index, module in self.stage_modules.items()]
         schedule_cls = get_schedule_class(layout.schedule)
         target = stages[0] if layout.style == "single" else stages
-        return schedule_cls(target, layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        recorded = self._recorded_loss_fn if mode != "predict" else None
+        return schedule_cls(target, layout.n_microbatches, loss_fn=recorded, scale_grads=False)
 
     def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         if not _shared(self.groups.data_parallel):

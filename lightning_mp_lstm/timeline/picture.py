@@ -10,8 +10,8 @@ from lightning_mp_lstm.timeline.record import COMPUTE, StepRecord, predicted_bub
 __all__ = ["COLOURS", "draw"]
 
 #: The colour of each span kind.
-COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "backward_input": "#c44e52", "backward_weight": "#937860",
-           "compute": "#8172b3", "send": "#55a868", "recv": "#8c8c8c"}
+COLOURS = {"forward": "#4c72b0", "loss": "#64b5cd", "backward": "#dd8452", "backward_input": "#c44e52",
+           "backward_weight": "#937860", "compute": "#8172b3", "send": "#55a868", "recv": "#8c8c8c"}
 
 
 def draw(record: StepRecord, path: str | Path) -> Any:

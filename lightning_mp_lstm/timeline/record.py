@@ -8,8 +8,9 @@ from typing import Any
 
 __all__ = ["COMMUNICATION", "COMPUTE", "Span", "StepRecord", "predicted_bubble"]
 
-#: Span kinds that are computation.
-COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "compute")
+#: Span kinds that are computation (``loss``: the last stage's loss of a microbatch, which torch's schedules compute
+#: after the stage's forward).
+COMPUTE = ("forward", "loss", "backward", "backward_input", "backward_weight", "compute")
 #: Span kinds that are point-to-point communication.
 COMMUNICATION = ("send", "recv")
 
