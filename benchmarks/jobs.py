@@ -3,7 +3,8 @@
 A job is a dictionary (:mod:`benchmarks.specs` writes them; ``run.py`` adds its ``device``, ``cpu`` or ``cuda``)
 whose ``kind`` picks what a rank runs: ``fit`` (one
 ``Trainer.fit`` with ``MPLSTMStrategy``), ``advice`` (``lightning_mp_lstm.planning.advice``), ``overhead``
-(``benchmarks/overhead.py``) or ``memory`` (``benchmarks/memory.py``). Only public library names are used.
+(``benchmarks/overhead.py``), ``bare`` (its hand-written loop alone) or ``memory`` (``benchmarks/memory.py``).
+Only public library names are used.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from datetime import timedelta
 from typing import Any
 
 from benchmarks.common import ptb_paths, quiet
@@ -187,6 +189,25 @@ def overhead_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, A
     return overhead.compare(rank, job["steps"], job["warmup"], setup, rounds=job["rounds"])
 
 
+def bare_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
+    """``benchmarks/overhead.py``'s hand-written pipelining loop alone (no Lightning, no checks, no recording) on
+    this rank of ``job["setup"]``'s layout, ``job["steps"]`` steps (a CPU loop). Starts the default gloo group when
+    none runs.
+
+    Returns:
+        ``intervals``: seconds between the starts of consecutive steps; ``schedule``: seconds in ``schedule.step``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks import overhead
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    return overhead.bare_loop(rank, job["steps"], overhead.Setup(**job["setup"]))
+
+
 def memory_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
     """``benchmarks/memory.py``'s measurement on this rank; only meaningful as the first job of fresh processes
     (a process's peak memory never goes down).
@@ -201,7 +222,8 @@ def memory_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any
 
 
 JOBS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {"fit": fit_job, "advice": advice_job,
-                                                              "overhead": overhead_job, "memory": memory_job}
+                                                              "overhead": overhead_job, "memory": memory_job,
+                                                              "bare": bare_job}
 
 
 def worker(rank: int, world_size: int, jobs: list[dict[str, Any]]) -> list[tuple[Any, float]]:

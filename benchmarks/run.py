@@ -179,7 +179,7 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
     if "pipeline_bound" in only:
         for stale in (pp2_png, dp2_pp2_png):  # only this run's pictures may be listed
             stale.unlink(missing_ok=True)
-        fixed[2] += specs.bound_jobs(sizes, pp2_png)
+        fixed[2] += specs.bound_jobs(sizes, pp2_png, bare=device == "cpu")  # the bare loop is a CPU one
         fixed[4].append(specs.dp2_pp2_job(sizes, dp2_pp2_png))
     if "partition_regret" in only:
         fixed[2] += specs.regret_jobs(sizes)

@@ -21,9 +21,9 @@ class SchemaError(ValueError):
 ROW_FIELDS: dict[str, dict[str, str]] = {
     "pipeline_bound": {"schedule": "str", "m": "int", "rows_per_microbatch": "int", "stage_s": "list[pos]",
                        "bound_s": "pos", "isolated_stage_s": "list[pos]", "isolated_bound_s": "pos",
-                       "measured_s": "pos", "ratio": "pos", "compute_end_s": "pos", "schedule_ratio": "pos",
-                       "isolated_ratio": "pos", "bubble_measured": "num",
-                       "bubble_predicted": "frac"},
+                       "measured_s": "pos", "ratio": "pos", "recorded_s": "pos", "compute_end_s": "pos",
+                       "schedule_ratio": "pos", "isolated_ratio": "pos", "bubble_measured": "num",
+                       "bubble_predicted": "frac", "bare_step_s": "pos?", "bare_ratio": "pos?"},
     "layouts": {"model": "str", "layout": "str", "processes": "int", "threads": "int", "m": "int",
                 "partition": "str", "tokens_per_s": "pos", "step_s": "pos", "ratio": "pos",
                 "earlier_tokens_per_s": "pos?"},

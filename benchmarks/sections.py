@@ -67,10 +67,12 @@ def _goal(name: str, value: float, target: float, op: str) -> dict[str, Any]:
 
 
 def section_bound(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
-    """pp2 against its own bound ``(m - 1) x max + sum`` of the stage times recorded inside the same steps.
+    """pp2 against its own bound ``(m - 1) x max + sum`` of the stage times recorded inside the same run, and the
+    hand-written pipelining loop against the same bound.
 
     Args:
-        results: the ``pipeline_bound`` jobs and their results (one per schedule and m).
+        results: the ``pipeline_bound`` jobs and their results: a ``fit`` per schedule and m, each followed by its
+            ``bare`` loop on CPU.
         s: the sizes they ran with.
 
     Returns:
@@ -78,11 +80,15 @@ def section_bound(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
     """
     from lightning_mp_lstm.timeline import COMPUTE, StepRecord, predicted_bubble
 
+    bare = {(job["schedule"], job["m"]): result for job, result in results if job["kind"] == "bare"}
     rows, goals = [], []
-    for job, result in results:
+    for job, result in ((j, r) for j, r in results if j["kind"] == "fit"):
         m = result["m"]
         records = sorted((StepRecord.from_dict(r) for r in result["records"]), key=lambda r: r.step)
-        intervals = _intervals(result, [r.step for r in records])
+        recorded = _intervals(result, [r.step for r in records])
+        # The step after each recorded one: the same shapes, and no recording's clock-aligning barrier at its start
+        # or gathering of every rank's spans at its end (about 5 ms a step at these sizes).
+        intervals = _intervals(result, [r.step + 1 for r in records])
         inside = [_stage_seconds_in_step(r) for r in records]
         bounds = [_bound(t, m) for t in inside]
         isolated = result["stage_seconds"]
@@ -92,12 +98,19 @@ def section_bound(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
         row = {"schedule": job["schedule"], "m": m, "rows_per_microbatch": s.bound_rows // m,
                "stage_s": [statistics.median(t) for t in zip(*inside)], "bound_s": statistics.median(bounds),
                "measured_s": measured, "ratio": statistics.median(b / t for b, t in zip(bounds, intervals)),
+               "recorded_s": statistics.median(recorded),
                "compute_end_s": statistics.median(compute_end),
                "schedule_ratio": statistics.median(b / t for b, t in zip(bounds, compute_end)),
                "isolated_stage_s": isolated, "isolated_bound_s": _bound(isolated, m),
                "bubble_measured": statistics.median(r.bubble() for r in records),
-               "bubble_predicted": predicted_bubble(job["schedule"], 2, 1, m)}
+               "bubble_predicted": predicted_bubble(job["schedule"], 2, 1, m), "bare_step_s": None,
+               "bare_ratio": None}
         row["isolated_ratio"] = row["isolated_bound_s"] / measured
+        loop = bare.get((job["schedule"], m))
+        if loop is not None:
+            timed = loop["intervals"][s.bound_warmup + 1:]
+            row["bare_step_s"] = statistics.median(timed)
+            row["bare_ratio"] = row["bound_s"] / row["bare_step_s"]
         rows.append(row)
         goals.append(_goal(f"{job['schedule']}, m={m}: bound / measured step", row["ratio"], 0.95, ">="))
     model = s.bound_model
@@ -105,15 +118,20 @@ def section_bound(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, Any]:
         "title": "Pipeline against its own bound",
         "setup": (f"pp2 (2 processes x 1 thread), even partition, {model['num_layers']} x LSTM {model['hidden_size']}"
                   f", embedding {model['embedding_dim']}, vocabulary {model['vocab_size']:,}, random batches of "
-                  f"{s.bound_rows} x {s.bound_length}. After {s.bound_warmup} warm-up steps one step times each stage "
-                  f"on its own rank in isolation (profile.stage_seconds), then PipelineTimeline records "
-                  f"{s.bound_steps} steps: a stage's time is the sum of its forward and backward spans in the step "
-                  "over m (one microbatch), the step's bound is (m - 1) x max + sum of those (plan.step_time), the "
-                  "measured time is the interval from the step's start to the next step's start (optimizer, "
-                  "clipping, Lightning and the recording included). Bound / measured: the median over the "
-                  "recorded steps of each step's ratio; the other columns are medians too. 'Compute ends' is when the "
-                  "step's last forward or backward ended (the schedule's part of the step, before the optimizer), "
-                  "and bound / compute end the ratio without what follows the schedule."),
+                  f"{s.bound_rows} x {s.bound_length}, SGD. After {s.bound_warmup} warm-up steps one step times each "
+                  f"stage on its own rank in isolation (profile.stage_seconds), then {2 * s.bound_steps} timed steps "
+                  f"of which PipelineTimeline records every other one ({s.bound_steps}): a stage's time is the sum of "
+                  "its forward, loss (the last stage's) and backward spans in a recorded step over m (one microbatch), "
+                  "the step's bound is (m - 1) x max + sum of those (plan.step_time), the measured step is the "
+                  "interval from the start of the step after it (same shapes, not recorded) to the next step's start "
+                  "(optimizer, clipping and Lightning included). Bound / measured: the median over the pairs of each "
+                  "pair's ratio; the other columns are medians too. 'Recorded step' is the interval of the recorded "
+                  "steps themselves: the recording's barrier and gathering of spans included. 'Compute ends' is when "
+                  "a recorded step's last forward or backward ended (the schedule's part of the step, before the "
+                  "optimizer), and bound / compute end the ratio without what follows the schedule. 'Bare loop' "
+                  "(CPU only): benchmarks/overhead.py's hand-written torch.distributed.pipelining loop (no Lightning, "
+                  "no clipping, no checks) on the same model, batch, split, schedule and m, run right after, as many "
+                  "steps; its median step after the same warm-up, and the same bound over it."),
         "rows": rows, "goals": goals,
     }
 

@@ -32,18 +32,31 @@ def _ptb(batch: int, buckets: Any = MXNET_BUCKETS, num_buckets: int | None = Non
     return {"kind": "ptb", "buckets": buckets, "num_buckets": num_buckets, "batch_size": batch}
 
 
-def bound_jobs(s: Sizes, picture: Path | None) -> list[dict[str, Any]]:
-    """pp2 at every schedule and m: warm-up, one step that times every stage on its rank, then timed steps that
-    the timeline records, and one more step (so the last timed step ends where the next one starts)."""
+def bound_jobs(s: Sizes, picture: Path | None, bare: bool = True) -> list[dict[str, Any]]:
+    """pp2 at every schedule and m: warm-up, one step that times every stage on its rank, then timed steps of which
+    the timeline records every other one (the bound: the stage times inside a recorded step; the measured step: the
+    step after it, which no recording slows), and one more step (so the last timed step ends where the next one
+    starts). With ``bare`` each is followed by the hand-written pipelining loop of ``benchmarks/overhead.py`` on the
+    same model, batch, split, schedule and m, for as many steps (a CPU loop: not on CUDA)."""
     first = s.bound_warmup + 1
-    batches = first + s.bound_steps + 1
+    batches = first + 2 * s.bound_steps + 1
     pictured = s.bound_m[len(s.bound_m) // 2]
-    return [{"kind": "fit", "section": "pipeline_bound", "schedule": schedule,
-             "data": _fixed(s.bound_model, s.bound_rows, s.bound_length, batches), "model": _lstm(s.bound_model),
-             "strategy": strategy_options(pp=2, schedule=schedule, n_microbatches=m), "batches": batches,
-             "measure_step": s.bound_warmup, "timeline": list(range(first, first + s.bound_steps)),
-             "picture": str(picture) if picture is not None and schedule == "1F1B" and m == pictured else None}
-            for schedule in ("GPipe", "1F1B") for m in s.bound_m]
+    out: list[dict[str, Any]] = []
+    for schedule in ("GPipe", "1F1B"):
+        for m in s.bound_m:
+            out.append({"kind": "fit", "section": "pipeline_bound", "schedule": schedule,
+                        "data": _fixed(s.bound_model, s.bound_rows, s.bound_length, batches),
+                        "model": _lstm(s.bound_model),
+                        "strategy": strategy_options(pp=2, schedule=schedule, n_microbatches=m), "batches": batches,
+                        "measure_step": s.bound_warmup, "timeline": list(range(first, first + 2 * s.bound_steps, 2)),
+                        "picture": str(picture) if picture is not None and schedule == "1F1B" and m == pictured
+                        else None})
+            if bare:
+                out.append({"kind": "bare", "section": "pipeline_bound", "schedule": schedule, "m": m,
+                            "steps": batches, "warmup": first,
+                            "setup": {**s.bound_model, "rows": s.bound_rows, "length": s.bound_length,
+                                      "microbatches": m, "schedule": schedule, "layout": "pp2"}})
+    return out
 
 
 def dp2_pp2_job(s: Sizes, picture: Path | None) -> dict[str, Any]:

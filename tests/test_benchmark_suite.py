@@ -68,7 +68,52 @@ def test_pipeline_bound_rows_are_measured(quick):
         assert _finite_positive(row["ratio"]) and _finite_positive(row["measured_s"])
         assert row["compute_end_s"] <= row["measured_s"] * 1.5
         assert 0 < row["bubble_predicted"] < 1
+        # The hand-written loop ran beside it (CPU) and is held against the same bound.
+        assert _finite_positive(row["bare_step_s"]) and _finite_positive(row["recorded_s"])
+        assert row["bare_ratio"] == pytest.approx(row["bound_s"] / row["bare_step_s"])
     assert len(section["goals"]) == len(rows)
+
+
+def _span(rank: int, kind: str, microbatch: int, start: float, end: float) -> dict[str, Any]:
+    return {"rank": rank, "stage": rank, "kind": kind, "microbatch": microbatch, "start": start, "end": end,
+            "direction": "", "peer_stage": None}
+
+
+def test_the_bound_is_held_against_the_step_after_each_recorded_one():
+    """The measured step is the unrecorded step after each recorded one (the recording's barrier and gathering of
+    spans are not the pipeline's); the recorded steps' own interval is shown apart, and the bare loop's median step
+    after the warm-up is held against the same bound. The last stage's loss counts as its work."""
+    from benchmarks import sections
+    from benchmarks.sizes import QUICK
+
+    m = 2
+    spans = [_span(0, "forward", 0, 0.0, 0.01), _span(0, "forward", 1, 0.01, 0.02),
+             _span(1, "forward", 0, 0.01, 0.02), _span(1, "loss", 0, 0.02, 0.03),
+             _span(1, "forward", 1, 0.03, 0.04), _span(1, "loss", 1, 0.04, 0.05),
+             _span(1, "backward", 0, 0.05, 0.06), _span(1, "backward", 1, 0.06, 0.07),
+             _span(0, "backward", 0, 0.06, 0.07), _span(0, "backward", 1, 0.07, 0.08)]
+    first = QUICK.bound_warmup + 1
+    recorded = [first, first + 2]
+    records = [{"step": step, "wall": 0.09, "spans": spans, "tokens": 100, "num_stages": 2, "n_microbatches": m,
+                "schedule": "GPipe", "stage_ranks": {0: 0, 1: 1}, "rank_walls": {0: 0.09, 1: 0.09}}
+               for step in recorded]
+    # Recorded steps last 0.12 s, the others 0.10 s.
+    starts, t = [], 0.0
+    for step in range(first + 5):
+        starts.append(t)
+        t += 0.12 if step in recorded else 0.10
+    result = {"m": m, "records": records, "starts": starts, "ends": [s + 0.09 for s in starts],
+              "stage_seconds": [0.02, 0.04]}
+    bare = {"intervals": [0.5] * first + [0.08, 0.09, 0.07], "schedule": []}
+    section = sections.section_bound([({"kind": "fit", "schedule": "GPipe"}, result),
+                                      ({"kind": "bare", "schedule": "GPipe", "m": m}, bare)], QUICK)
+    (row,) = section["rows"]
+    # Stage 0: two forwards and two backwards of 0.01 s over m; stage 1 with its two losses: 0.06 s over m.
+    assert row["stage_s"] == pytest.approx([0.02, 0.03])
+    assert row["bound_s"] == pytest.approx((m - 1) * 0.03 + 0.05)
+    assert row["measured_s"] == pytest.approx(0.10) and row["recorded_s"] == pytest.approx(0.12)
+    assert row["ratio"] == pytest.approx(0.8)
+    assert row["bare_step_s"] == pytest.approx(0.08) and row["bare_ratio"] == pytest.approx(1.0)
 
 
 @pytest.mark.timeout(300)
