@@ -53,7 +53,7 @@ def bound_jobs(s: Sizes, picture: Path | None, bare: bool = True) -> list[dict[s
                         else None})
             if bare:
                 out.append({"kind": "bare", "section": "pipeline_bound", "schedule": schedule, "m": m,
-                            "steps": batches, "warmup": first,
+                            "steps": batches,
                             "setup": {**s.bound_model, "rows": s.bound_rows, "length": s.bound_length,
                                       "microbatches": m, "schedule": schedule, "layout": "pp2"}})
     return out

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import main_job, run
+from benchmarks import main_job, run, sections
 from benchmarks.schema import SCHEMA, SECTIONS, SchemaError, validate
 from benchmarks.sizes import LAYOUTS, QUICK
 from tests.helpers import ROOT, run_command
@@ -83,9 +83,6 @@ def test_the_bound_is_held_against_the_step_after_each_recorded_one():
     """The measured step is the unrecorded step after each recorded one (the recording's barrier and gathering of
     spans are not the pipeline's); the recorded steps' own interval is shown apart, and the bare loop's median step
     after the warm-up is held against the same bound. The last stage's loss counts as its work."""
-    from benchmarks import sections
-    from benchmarks.sizes import QUICK
-
     m = 2
     spans = [_span(0, "forward", 0, 0.0, 0.01), _span(0, "forward", 1, 0.01, 0.02),
              _span(1, "forward", 0, 0.01, 0.02), _span(1, "loss", 0, 0.02, 0.03),

@@ -426,7 +426,7 @@ class PipelineEngine:
                   for index, module in self.stage_modules.items()]
         schedule_cls = get_schedule_class(layout.schedule)
         target = stages[0] if layout.style == "single" else stages
-        recorded = self._recorded_loss_fn if mode != "predict" else None
+        recorded = self._recorded_loss_fn if loss_fn is not None else None
         return schedule_cls(target, layout.n_microbatches, loss_fn=recorded, scale_grads=False)
 
     def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
