@@ -14,7 +14,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import timedelta
 from typing import Any
 
 from benchmarks.common import ptb_paths, quiet
@@ -197,14 +196,9 @@ def bare_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
     Returns:
         ``intervals``: seconds between the starts of consecutive steps; ``schedule``: seconds in ``schedule.step``.
     """
-    import torch
-    import torch.distributed as dist
-
     from benchmarks import overhead
 
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    overhead.start_rank()
     return overhead.bare_loop(rank, job["steps"], overhead.Setup(**job["setup"]))
 
 

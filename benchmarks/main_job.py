@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.overhead import Setup, bare_loop  # noqa: E402
+from benchmarks.overhead import Setup, bare_loop, start_rank  # noqa: E402
 from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 
 __all__ = ["BARE_SETUP", "bare_floor", "main", "measure", "summarize"]
@@ -93,11 +93,9 @@ def summarize(rows: list[dict[str, float]], first: int = 0) -> dict[str, Any]:
 
 
 def _bare_worker(rank: int, world_size: int, steps: int, setup: Setup) -> dict[str, list[float]]:
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    start_rank()
     try:
         return bare_loop(rank, steps, setup)
     finally:

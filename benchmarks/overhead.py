@@ -51,7 +51,8 @@ from lightning_mp_lstm.models.optimizer_kernels import kernel_options  # noqa: E
 from lightning_mp_lstm.pipeline.stages import ContiguousGrad  # noqa: E402
 from lightning_mp_lstm.planning.partition import even_partition  # noqa: E402
 
-__all__ = ["LAYOUTS", "Setup", "bare_loop", "batches", "compare", "model_of", "strategy_fit", "summarize"]
+__all__ = ["LAYOUTS", "Setup", "bare_loop", "batches", "compare", "model_of", "start_rank", "strategy_fit",
+           "summarize"]
 
 #: Layouts compared: their number of data-parallel replicas of a 2-stage pipeline.
 LAYOUTS = {"pp2": 1, "dp2_pp2": 2}
@@ -220,6 +221,13 @@ def outside_schedule(records: list[Any], rank: int) -> dict[str, float]:
     return {"before": median(before), "after": median(after), "wall": median(wall)} if wall else {}
 
 
+def start_rank() -> None:
+    """One thread, and the default gloo group unless one runs already: what a rank of these comparisons needs."""
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+
+
 def compare(rank: int, steps: int, warmup: int, setup: Setup = Setup(), rounds: int = 2) -> dict[str, Any]:
     """Both runs on this rank of ``setup.world_size``, ``rounds`` interleaved rounds of each (the first ``warmup``
     steps of each run dropped), then one recorded run of the strategy for the time outside its schedule. Starts
@@ -229,9 +237,7 @@ def compare(rank: int, steps: int, warmup: int, setup: Setup = Setup(), rounds: 
         ``bare`` and ``strategy``: step intervals (seconds); ``bare_outside`` and ``strategy_outside``: this rank's
         median seconds outside the schedule (``before``/``after`` its spans for the strategy).
     """
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    start_rank()
     out: dict[str, Any] = {"bare": [], "strategy": [], "setup": asdict(setup), "rank": rank}
     outside: list[float] = []
     for _ in range(rounds):  # interleaved, so a drift of the machine falls on both alike
