@@ -4,8 +4,11 @@ the schedule.
 
 The bare loop is what a user would write by hand, and the reference: one ``PipelineStage`` per rank holding an even
 half of ``LSTMLanguageModel``'s blocks, a schedule with ``scale_grads=False`` and a loss divided by the batch's
-tokens, the gradients summed over the replicas in one flat all-reduce, SGD (torch's fused kernel, as the model
-picks); nothing else (no Lightning, no checks, no logging). The strategy runs the same in ``Trainer.fit``.
+tokens, the gradients summed over the replicas in one flat all-reduce, with ``Setup.clip`` a clip by the whole model's
+gradient norm (each stage's squared norm summed over the pipeline), the model's optimizer (``Setup.optimizer``, SGD
+by default; torch's fused kernel, as the model picks); nothing else (no Lightning, no checks, no logging). The
+strategy runs the same in ``Trainer.fit``. Rounds alternate which of the two runs first (bare, strategy, strategy,
+bare, ...), so a machine that speeds up or slows down during a round favours neither.
 Layouts: ``pp2`` (2 ranks) and ``dp2_pp2`` (4 ranks, two replicas of the 2-stage pipeline, each its half of the
 global batch); schedules GPipe and 1F1B.
 
@@ -51,8 +54,8 @@ from lightning_mp_lstm.models.optimizer_kernels import kernel_options  # noqa: E
 from lightning_mp_lstm.pipeline.stages import ContiguousGrad  # noqa: E402
 from lightning_mp_lstm.planning.partition import even_partition  # noqa: E402
 
-__all__ = ["LAYOUTS", "Setup", "bare_loop", "batches", "compare", "model_of", "start_rank", "strategy_fit",
-           "summarize"]
+__all__ = ["LAYOUTS", "Setup", "bare_loop", "batches", "compare", "model_of", "round_orders", "start_rank",
+           "strategy_fit", "summarize"]
 
 #: Layouts compared: their number of data-parallel replicas of a 2-stage pipeline.
 LAYOUTS = {"pp2": 1, "dp2_pp2": 2}
@@ -62,7 +65,9 @@ LAYOUTS = {"pp2": 1, "dp2_pp2": 2}
 class Setup:
     """The model, global batch and pipeline both runs share (defaults: the numbers in docs/benchmarks.md).
 
-    The model's fields are ``LSTMLanguageModel``'s keyword arguments, as in ``benchmarks/sizes.py``.
+    The model's fields are ``LSTMLanguageModel``'s keyword arguments, as in ``benchmarks/sizes.py``; ``optimizer``
+    (``"sgd"`` or ``"adam"``, torch's fused kernel either way), ``lr`` and ``clip`` (the global gradient norm's
+    bound, ``None``: no clipping) are what both runs do after the schedule.
     """
 
     vocab_size: int = 2000
@@ -74,6 +79,9 @@ class Setup:
     microbatches: int = 8
     schedule: str = "1F1B"
     layout: str = "pp2"
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    clip: float | None = None
 
     @property
     def replicas(self) -> int:
@@ -87,7 +95,7 @@ class Setup:
 def model_of(setup: Setup) -> LSTMLanguageModel:
     torch.manual_seed(0)
     return LSTMLanguageModel(setup.vocab_size, setup.embedding_dim, setup.hidden_size, setup.num_layers,
-                             optimizer="sgd", lr=0.1)
+                             optimizer=setup.optimizer, lr=setup.lr)
 
 
 def batches(n: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -134,7 +142,8 @@ def bare_loop(rank: int, steps: int, setup: Setup) -> dict[str, list[float]]:
 
     Returns:
         ``intervals``: seconds between the starts of consecutive steps (``steps`` of them); ``schedule``: seconds
-        in ``schedule.step`` of the same steps.
+        in ``schedule.step`` of the same steps; ``norms``: each step's global gradient norm before the clip (with
+        ``setup.clip``; else empty).
     """
     replica, stage_index = divmod(rank, 2)
     pipeline, replicas = _groups(rank, setup.replicas)
@@ -147,8 +156,9 @@ def bare_loop(rank: int, steps: int, setup: Setup) -> dict[str, list[float]]:
     schedule = get_schedule_class(setup.schedule)(
         stage, setup.microbatches, loss_fn=lambda out, y: token_loss_sum(out, y) / divisor, scale_grads=False)
     parameters = list(model.parameters())
-    optimizer = torch.optim.SGD(parameters, lr=0.1, **kernel_options(parameters))  # the model's own kernel
-    starts, in_schedule = [], []
+    optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[setup.optimizer](
+        parameters, lr=setup.lr, **kernel_options(parameters))  # the model's own kernel
+    starts, in_schedule, norms = [], [], []
     for inputs, targets in batches(steps + 1, setup):
         starts.append(time.perf_counter())
         optimizer.zero_grad()
@@ -165,9 +175,16 @@ def bare_loop(rank: int, steps: int, setup: Setup) -> dict[str, list[float]]:
             dist.all_reduce(flat, group=replicas)
             for g, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(summed)
+        if setup.clip is not None:  # by the whole model's norm: this stage's squared norm summed over the pipeline
+            grads = [p.grad for p in parameters if p.grad is not None]
+            squared = torch.nn.utils.get_total_norm(grads).pow(2)
+            dist.all_reduce(squared, group=pipeline)
+            norms.append(squared.sqrt())
+            torch.nn.utils.clip_grads_with_norm_(parameters, setup.clip, squared.sqrt())
         optimizer.step()
     # Same measure as for the Trainer: the interval between the starts of consecutive steps.
-    return {"intervals": [b - a for a, b in zip(starts, starts[1:])], "schedule": in_schedule[:-1]}
+    return {"intervals": [b - a for a, b in zip(starts, starts[1:])], "schedule": in_schedule[:-1],
+            "norms": [float(n) for n in norms]}
 
 
 class _StepStarts(pl.Callback):
@@ -196,7 +213,7 @@ def strategy_fit(rank: int, steps: int, setup: Setup, record: tuple[int, ...] = 
         strategy=MPLSTMStrategy(pipeline_parallel_size=2, data_parallel_size=setup.replicas, schedule=setup.schedule,
                                 n_microbatches=setup.microbatches, report_after_steps=None, num_threads=1),
         accelerator="cpu", devices=setup.world_size, max_steps=steps + 1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, gradient_clip_val=None,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, gradient_clip_val=setup.clip,
         callbacks=[timer, *([timeline] if timeline else [])])
     with scratch:
         trainer.fit(model_of(setup), train_dataloaders=DataLoader(batches(steps + 1, setup), batch_size=None))
@@ -228,10 +245,16 @@ def start_rank() -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 
 
+def round_orders(rounds: int) -> list[tuple[str, str]]:
+    """Which run goes first in each round: the bare loop in even rounds, the strategy in odd ones (ABBA), so that
+    neither always runs on a machine warmed (or tired) by the other."""
+    return [("bare", "strategy") if r % 2 == 0 else ("strategy", "bare") for r in range(rounds)]
+
+
 def compare(rank: int, steps: int, warmup: int, setup: Setup = Setup(), rounds: int = 2) -> dict[str, Any]:
-    """Both runs on this rank of ``setup.world_size``, ``rounds`` interleaved rounds of each (the first ``warmup``
-    steps of each run dropped), then one recorded run of the strategy for the time outside its schedule. Starts
-    the default gloo group when none runs.
+    """Both runs on this rank of ``setup.world_size``, ``rounds`` interleaved rounds of each (in the order of
+    :func:`round_orders`; the first ``warmup`` steps of each run dropped), then one recorded run of the strategy for
+    the time outside its schedule. Starts the default gloo group when none runs.
 
     Returns:
         ``bare`` and ``strategy``: step intervals (seconds); ``bare_outside`` and ``strategy_outside``: this rank's
@@ -240,13 +263,15 @@ def compare(rank: int, steps: int, warmup: int, setup: Setup = Setup(), rounds: 
     start_rank()
     out: dict[str, Any] = {"bare": [], "strategy": [], "setup": asdict(setup), "rank": rank}
     outside: list[float] = []
-    for _ in range(rounds):  # interleaved, so a drift of the machine falls on both alike
-        bare = bare_loop(rank, steps, setup)
-        out["bare"] += bare["intervals"][warmup:]
-        outside += [i - s for i, s in zip(bare["intervals"][warmup:], bare["schedule"][warmup:])]
-        dist.barrier()
-        out["strategy"] += strategy_fit(rank, steps, setup)["intervals"][warmup:]
-        dist.barrier()
+    for order in round_orders(rounds):  # interleaved, so a drift of the machine falls on both alike
+        for run in order:
+            if run == "bare":
+                bare = bare_loop(rank, steps, setup)
+                out["bare"] += bare["intervals"][warmup:]
+                outside += [i - s for i, s in zip(bare["intervals"][warmup:], bare["schedule"][warmup:])]
+            else:
+                out["strategy"] += strategy_fit(rank, steps, setup)["intervals"][warmup:]
+            dist.barrier()
     out["bare_outside"] = statistics.median(outside)
     recorded = tuple(range(warmup + 1, min(steps, warmup + 4)))
     out["strategy_outside"] = strategy_fit(rank, steps, setup, record=recorded)["outside"]

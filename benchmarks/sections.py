@@ -334,7 +334,8 @@ def section_overhead(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, An
         "setup": (f"benchmarks/overhead.py: {setup.num_layers} x LSTM {setup.hidden_size}, vocabulary "
                   f"{setup.vocab_size:,}, global batch {setup.rows} x {setup.length}, even partition, "
                   f"{setup.microbatches} microbatches per replica, 1 thread per rank; {s.overhead_rounds} interleaved "
-                  f"round(s) of {s.overhead_steps} steps of each, the first {s.overhead_warmup} of each dropped; "
+                  f"round(s) of {s.overhead_steps} steps of each (bare first in even rounds, mp_lstm first in odd "
+                  f"ones), the first {s.overhead_warmup} of each dropped; "
                   "tokens/s = global tokens per step / median interval. Outside the schedule, per rank: bare / "
                   "mp_lstm ms per step (mp_lstm's before its first span + after its last, from the timeline of a "
                   "separate recorded run)."),

@@ -330,3 +330,64 @@ def test_the_main_job_benchmark_measures_the_bare_loop_beside_it():
     assert floor["median_step_s"] > 0 and floor["slowest_over_median"] >= 1.0
     assert 0.0 < floor["median_outside_schedule"] < 1.0
     assert floor["setup"]["rows"] == 8 and floor["setup"]["schedule"] == "1F1B"
+
+
+def _bare_norms(rank: int, world_size: int, setup: Any) -> list[float]:
+    import torch.distributed as dist
+
+    from benchmarks import overhead
+
+    overhead.start_rank()
+    try:
+        return overhead.bare_loop(rank, 2, setup)["norms"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_the_bare_loop_clips_by_the_whole_models_norm_as_the_main_job_does():
+    """The main job's floor clips by the global norm and steps Adam: both stages see the norm of the whole model's
+    gradient (one process's, at the first step), and the floor is measured with the main job's optimizer and clip."""
+    import torch
+    from torch import nn
+
+    from benchmarks import overhead
+    from lightning_mp_lstm.base.testing import run_ranks
+    from lightning_mp_lstm.models.binding import pipeline_model
+    from lightning_mp_lstm.models.lstm_language_model import token_loss_sum
+
+    setup = overhead.Setup(vocab_size=50, embedding_dim=8, hidden_size=8, num_layers=2, rows=8, length=6,
+                           microbatches=2, optimizer="adam", lr=0.005, clip=1e-3)
+    first, second = run_ranks(_bare_norms, 2, setup, timeout=150)
+    whole = nn.Sequential(*[module for _, module in pipeline_model(overhead.model_of(setup)).blocks()])
+    inputs, targets = overhead.batches(1, setup)[0]
+    (token_loss_sum(whole(inputs), targets) / (setup.rows * setup.length)).backward()
+    expected = float(torch.nn.utils.get_total_norm([p.grad for p in whole.parameters()]))
+    assert len(first) == 3 and first == pytest.approx(second, rel=1e-6)
+    assert first[0] == pytest.approx(expected, rel=1e-4)
+    assert first[1] != pytest.approx(first[0], rel=1e-6)  # Adam moved the weights between the steps
+    assert main_job.BARE_SETUP.optimizer == "adam" and main_job.BARE_SETUP.clip == 0.25
+
+
+def test_the_overhead_rounds_alternate_which_run_goes_first(one_process_group, monkeypatch):
+    """ABBA: the bare loop first in even rounds, the strategy first in odd ones, every run's steps after warm-up
+    pooled, then one recorded run for the time outside the schedule."""
+    from benchmarks import overhead
+
+    calls: list[str] = []
+
+    def bare(rank: int, steps: int, setup: Any) -> dict[str, list[float]]:
+        calls.append("bare")
+        return {"intervals": [0.2] * steps, "schedule": [0.15] * steps, "norms": []}
+
+    def fit(rank: int, steps: int, setup: Any, record: tuple[int, ...] = ()) -> dict[str, Any]:
+        calls.append("recorded" if record else "strategy")
+        return {"intervals": [0.25] * steps, "outside": {"before": 0.001, "after": 0.01, "wall": 0.25}}
+
+    monkeypatch.setattr(overhead, "bare_loop", bare)
+    monkeypatch.setattr(overhead, "strategy_fit", fit)
+    result = overhead.compare(0, 6, 2, overhead.Setup(), rounds=4)
+    assert calls == ["bare", "strategy", "strategy", "bare", "bare", "strategy", "strategy", "bare", "recorded"]
+    assert len(result["bare"]) == len(result["strategy"]) == 4 * 4
+    assert result["bare_outside"] == pytest.approx(0.05)
+    assert overhead.summarize(result)["ratio"] == pytest.approx(0.8)
