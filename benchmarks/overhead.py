@@ -180,7 +180,7 @@ def bare_loop(rank: int, steps: int, setup: Setup) -> dict[str, list[float]]:
             squared = torch.nn.utils.get_total_norm(grads).pow(2)
             dist.all_reduce(squared, group=pipeline)
             norms.append(squared.sqrt())
-            torch.nn.utils.clip_grads_with_norm_(parameters, setup.clip, squared.sqrt())
+            torch.nn.utils.clip_grads_with_norm_(parameters, setup.clip, norms[-1])
         optimizer.step()
     # Same measure as for the Trainer: the interval between the starts of consecutive steps.
     return {"intervals": [b - a for a, b in zip(starts, starts[1:])], "schedule": in_schedule[:-1],
