@@ -332,18 +332,6 @@ def test_the_main_job_benchmark_measures_the_bare_loop_beside_it():
     assert floor["setup"]["rows"] == 8 and floor["setup"]["schedule"] == "1F1B"
 
 
-def _bare_norms(rank: int, world_size: int, setup: Any) -> list[float]:
-    import torch.distributed as dist
-
-    from benchmarks import overhead
-
-    overhead.start_rank()
-    try:
-        return overhead.bare_loop(rank, 2, setup)["norms"]
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.timeout(180)
 def test_the_bare_loop_clips_by_the_whole_models_norm_as_the_main_job_does():
     """The main job's floor clips by the global norm and steps Adam: both stages see the norm of the whole model's
@@ -358,7 +346,7 @@ def test_the_bare_loop_clips_by_the_whole_models_norm_as_the_main_job_does():
 
     setup = overhead.Setup(vocab_size=50, embedding_dim=8, hidden_size=8, num_layers=2, rows=8, length=6,
                            microbatches=2, optimizer="adam", lr=0.005, clip=1e-3)
-    first, second = run_ranks(_bare_norms, 2, setup, timeout=150)
+    first, second = (rank["norms"] for rank in run_ranks(main_job._bare_worker, 2, 2, setup, timeout=150))
     whole = nn.Sequential(*[module for _, module in pipeline_model(overhead.model_of(setup)).blocks()])
     inputs, targets = overhead.batches(1, setup)[0]
     (token_loss_sum(whole(inputs), targets) / (setup.rows * setup.length)).backward()
