@@ -30,6 +30,7 @@ from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients, clip_grad
 from lightning_mp_lstm.pipeline.norm_exchange import NormExchange
 from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness
 from lightning_mp_lstm.pipeline.tied import TiedWeights
+from lightning_mp_lstm.pipeline.transport import posts_receives_ahead
 from lightning_mp_lstm.pipeline.wavefront import WavefrontSchedule
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.timeline.recorder import RECORDER
@@ -232,14 +233,12 @@ class PipelineEngine:
         return self._sum_over_replicas(self.model.batch_weights(share))
 
     def _receive_terms_early(self, mode: str) -> tuple[torch.Tensor, Any] | None:
-        """On gloo, a rank that takes the batch's terms from the last stage's (:meth:`_from_last_stage`) posts its
-        receive before the schedule: the terms land while it finishes its part, and it finds them there (a receive
-        posted after the send waits for a round trip between the processes: 0.45 ms against 0.04 ms measured on
-        two CPU processes). gloo matches a message by its tag; NCCL matches point-to-point operations in the order
-        they are issued, so there the receive follows the schedule's own."""
+        """Where the transport allows (:mod:`~lightning_mp_lstm.pipeline.transport`), a rank that takes the batch's
+        terms from the last stage's (:meth:`_from_last_stage`) posts its receive before the schedule: the terms land
+        while it finishes its part, and it finds them there. Elsewhere the receive follows the schedule's own."""
         names = self._term_names.get(mode)
         if (names is None or self.has_last_stage or not self._terms_on_last_rank or not _shared(self.groups.pipeline)
-                or dist.get_backend(self.groups.pipeline) != "gloo"):
+                or not posts_receives_ahead(self.groups.pipeline)):
             return None
         buffer = torch.empty(len(names), dtype=torch.float64, device=self.device)
         return buffer, dist.irecv(buffer, group=self.groups.pipeline, group_src=self._last_stage_rank, tag=_TERMS_TAG)
@@ -421,7 +420,7 @@ class PipelineEngine:
             # through this library's loop, one time chunk, the same stage placement.
             return WavefrontSchedule(self.stage_modules, layout, self.groups.pipeline, self.device, rows, length, 1,
                                      loss_fn)
-        ahead = layout.style == "single" and dist.get_backend(self.groups.pipeline) == "gloo"  # Stage.receive_ahead
+        ahead = layout.style == "single" and posts_receives_ahead(self.groups.pipeline)  # Stage.receive_ahead
         stages = [Stage(module, index, layout.num_stages, self.device, group=self.groups.pipeline, receive_ahead=ahead)
                   for index, module in self.stage_modules.items()]
         schedule_cls = get_schedule_class(layout.schedule)

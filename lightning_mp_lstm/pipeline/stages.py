@@ -196,11 +196,10 @@ class Stage(PipelineStage):
     Args:
         args, kwargs: ``PipelineStage``'s arguments.
         receive_ahead: when the schedule asks for a microbatch's receives, post the next microbatch's too, and wait
-            for them when its forward (backward) starts. gloo sends a message at once only to a receive already
-            posted; to a later one it answers once asked, a round trip through the sender's transport thread,
-            which on busy cores waits for the sender's computation. Only for one stage per process on gloo: each
-            peer then sends this stage one kind of message, in microbatch order, which is the order the posted
-            receives take them; NCCL pairs point-to-point operations in issue order, which this would change.
+            for them when its forward (backward) starts. Only where the transport allows it
+            (:func:`~lightning_mp_lstm.pipeline.transport.posts_receives_ahead`) and for one stage per process:
+            each peer then sends this stage one kind of message, in microbatch order, which is the order the posted
+            receives take them.
     """
 
     def __init__(self, *args: Any, receive_ahead: bool = False, **kwargs: Any) -> None:
