@@ -1,4 +1,5 @@
-"""Lightning's hooks, schedulers, early stopping and predict behave under mp_lstm as in one process."""
+"""Lightning's hooks, schedulers, early stopping, learning-rate finder and predict behave under mp_lstm as in one
+process."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.tuner import Tuner
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from tests.helpers import VOCAB, FixedBatches, ValLosses, assert_same_predictions, rel_error, run_ranks
 
 EPOCHS, BATCHES, ACCUMULATE = 2, 4, 2
+LR_FIND_LENGTHS, LR_FIND_STEPS = (5, 9, 7, 5) * 4, 16  # the suggestion skips the first 10 and the last
 
 
 def _four_batches() -> FixedBatches:
@@ -59,8 +62,9 @@ def _trainer(strategy, devices: int, callbacks=(), **kwargs) -> pl.Trainer:
                       callbacks=list(callbacks), **kwargs)
 
 
-def _runs(strategy, devices: int, predict_only: bool = False) -> dict:
-    """Everything the tests compare; ``strategy`` is a factory (a fresh strategy per Trainer)."""
+def _runs(strategy, devices: int, predict_only: bool = False, root: str | None = None) -> dict:
+    """Everything the tests compare; ``strategy`` is a factory (a fresh strategy per Trainer); ``root``: the
+    learning-rate finder's folder (its checkpoint of the weights it restores), the same on every rank."""
     warnings.filterwarnings("ignore")
     out: dict = {}
     if not predict_only:
@@ -80,17 +84,26 @@ def _runs(strategy, devices: int, predict_only: bool = False) -> dict:
         out["early_stopping"] = {"epoch": trainer.current_epoch, "stopped_epoch": stopper.stopped_epoch,
                                  "should_stop": trainer.should_stop, "val": val_losses.values,
                                  "global_step": trainer.global_step}
+        # The learning-rate finder: an exponential sweep, then the weights it started from restored.
+        model = _model(optimizer="sgd", lr=0.1)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = _trainer(strategy(), devices, default_root_dir=root)
+        finder = Tuner(trainer).lr_find(model, datamodule=FixedBatches(LR_FIND_LENGTHS), num_training=LR_FIND_STEPS,
+                                        min_lr=1e-3, max_lr=10.0, early_stop_threshold=None)
+        out["lr_find"] = {"lrs": finder.results["lr"], "losses": finder.results["loss"],
+                          "suggestion": finder.suggestion(), "lr_after": model.hparams.lr,
+                          "restored": all(torch.equal(p, start[n]) for n, p in model.named_parameters())}
     # Prediction with the untrained model.
     trainer = _trainer(strategy(), devices)
     out["predict"] = trainer.predict(_model(), datamodule=FixedBatches())
     return out
 
 
-def _worker(rank: int, world_size: int, strategy_kwargs: dict, predict_only: bool) -> dict:
+def _worker(rank: int, world_size: int, strategy_kwargs: dict, predict_only: bool, root: str | None = None) -> dict:
     def factory() -> MPLSTMStrategy:
         return MPLSTMStrategy(**{"report_after_steps": None, "timeout": 60, **strategy_kwargs})
 
-    return _runs(factory, world_size, predict_only)
+    return _runs(factory, world_size, predict_only, root)
 
 
 # The even split of the 2-layer model over 2 stages: the parameters each pipeline rank must hold, no others.
@@ -98,14 +111,15 @@ OWN = {0: ("embedding.", "lstm.0."), 1: ("lstm.1.", "decoder.")}
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(tmp_path_factory) -> dict:
     torch.set_num_threads(1)
-    return _runs(lambda: "auto", 1)
+    return _runs(lambda: "auto", 1, root=str(tmp_path_factory.mktemp("reference")))
 
 
 @pytest.fixture(scope="module")
-def pp2() -> list[dict]:
-    return run_ranks(_worker, 2, {"schedule": "1F1B", "n_microbatches": 2}, False, timeout=150)
+def pp2(tmp_path_factory) -> list[dict]:
+    return run_ranks(_worker, 2, {"schedule": "1F1B", "n_microbatches": 2}, False,
+                     str(tmp_path_factory.mktemp("pp2")), timeout=150)
 
 
 @pytest.mark.timeout(200)
@@ -151,6 +165,20 @@ def test_early_stopping_stops_every_rank_at_the_single_process_epoch(pp2, refere
         assert {k: got[k] for k in ("epoch", "stopped_epoch", "should_stop", "global_step")} == {
             k: ref[k] for k in ("epoch", "stopped_epoch", "should_stop", "global_step")}
         assert got["val"] == pytest.approx(ref["val"], rel=1e-4)
+
+
+@pytest.mark.timeout(200)
+def test_the_learning_rate_finder_sweeps_and_restores_as_in_one_process(pp2, reference):
+    ref = reference["lr_find"]
+    assert len(ref["lrs"]) == len(ref["losses"]) == LR_FIND_STEPS and ref["restored"]
+    assert ref["lr_after"] == ref["suggestion"] and ref["suggestion"] is not None  # the finder set the model's lr
+    assert max(ref["losses"]) > 1.01 * min(ref["losses"])  # the sweep moved the loss: the curve says something
+    for rank, result in enumerate(pp2):
+        got = result["lr_find"]
+        assert got["lrs"] == ref["lrs"], rank
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), rank
+        assert (got["suggestion"], got["lr_after"]) == (ref["suggestion"], ref["lr_after"]), rank
+        assert got["restored"], rank  # every rank's own parameters back where the sweep started
 
 
 @pytest.mark.timeout(200)

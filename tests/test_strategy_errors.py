@@ -73,3 +73,29 @@ def test_bad_configurations_fail_in_setup_on_every_rank():
     assert "n_microbatches=16" in too_large and "at most 8" in too_large
     assert too_many_chunks == ("LayoutError: time_chunks=6 splits every batch's time axis into 6 chunks, but the "
                                "shortest bucket has 5 steps (buckets [5, 9]); allowed: 1 to 5, or 'auto'")
+
+
+def _batch_size_finder_worker(rank: int, world_size: int, root: str) -> str:
+    from lightning.pytorch.tuner import Tuner
+
+    warnings.filterwarnings("ignore")
+    trainer = _trainer(MPLSTMStrategy(), default_root_dir=root)
+    try:
+        Tuner(trainer).scale_batch_size(LSTMLanguageModel(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2),
+                                        datamodule=FixedBatches(), max_trials=2, steps_per_trial=1)
+        return "no error"
+    except ValueError as err:
+        assert trainer.global_step == 0
+        return str(err)
+
+
+@pytest.mark.timeout(120)
+def test_the_batch_size_finder_is_refused_on_every_rank_before_it_runs(tmp_path):
+    """Lightning lets a strategy that is not ``is_distributed`` run it: under the pipeline its trials would leave the
+    ranks waiting on one that ran out of memory, and each rank names its restoring checkpoint apart."""
+    messages = run_ranks(_batch_size_finder_worker, 2, str(tmp_path), timeout=100)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("mp_lstm does not run Lightning's batch-size finder (BatchSizeFinder, which "
+                                  "Tuner.scale_batch_size adds)")
+    assert "the data module's batch_size" in messages[0]
+    assert list(tmp_path.iterdir()) == []  # no trial ran, no checkpoint written

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -27,11 +29,24 @@ from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions, make_plan
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.precision import REFUSED_PRECISIONS
 
-__all__ = ["assemble_engine", "check_run", "make_verifier", "plan_run", "replica_rows", "report_not_reproduced",
-           "start_process_groups"]
+__all__ = ["assemble_engine", "check_callbacks", "check_run", "make_verifier", "plan_run", "replica_rows",
+           "report_not_reproduced", "start_process_groups"]
 
 DEFAULT_ROWS = 32  # the batch assumed for planning when the data module does not say its own
 DEFAULT_LENGTH = 35
+
+
+def check_callbacks(callbacks: Iterable[Any]) -> None:
+    """Refuse the callbacks a pipeline cannot run: Lightning's batch-size finder (``BatchSizeFinder``, which
+    ``Tuner.scale_batch_size`` adds) grows the batch until a process runs out of memory, and a pipeline rank that does
+    leaves its peers waiting for it (its restoring checkpoint is also named apart on each rank)."""
+    finders = [type(c).__name__ for c in callbacks if isinstance(c, BatchSizeFinder)]
+    if finders:
+        raise ValueError(f"mp_lstm does not run Lightning's batch-size finder ({finders[0]}, which "
+                         "Tuner.scale_batch_size adds): its trials grow the batch until a process runs out of memory, "
+                         "and a pipeline rank that does leaves the others waiting for it. Set the batch size yourself "
+                         "(the data module's batch_size); MPLSTMStrategy(memory_per_process=...) checks before "
+                         "training that the largest batch's activations fit a process")
 
 
 def start_process_groups(

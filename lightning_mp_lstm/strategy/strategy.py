@@ -53,6 +53,7 @@ from lightning_mp_lstm.strategy.launcher import JobLauncher
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.pipeline_setup import (
     assemble_engine,
+    check_callbacks,
     check_run,
     make_verifier,
     plan_run,
@@ -253,6 +254,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         layout = self._resolve_layout(self.world_size)
         # Everything that can be wrong is checked here, on every rank, before the first collective.
         trainer = self.lightning_module.trainer
+        check_callbacks(trainer.callbacks)
         self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING)
         if self.root_device.type == "cpu":
             torch.set_num_threads(self._process.threads(self.num_processes))
