@@ -1,14 +1,15 @@
-"""Lightning's hooks, schedulers, early stopping, learning-rate finder and predict behave under mp_lstm as in one
-process."""
+"""Lightning's hooks, schedulers, early stopping, learning-rate finder, accumulation schedule and predict behave under
+mp_lstm as in one process."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks import EarlyStopping, GradientAccumulationScheduler
 from lightning.pytorch.tuner import Tuner
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
@@ -93,6 +94,15 @@ def _runs(strategy, devices: int, predict_only: bool = False, root: str | None =
         out["lr_find"] = {"lrs": finder.results["lr"], "losses": finder.results["loss"],
                           "suggestion": finder.suggestion(), "lr_after": model.hparams.lr,
                           "restored": all(torch.equal(p, start[n]) for n, p in model.named_parameters())}
+        # Accumulation that changes by epoch, under ASGD (the weight averaging the strategy points SWA users to: each
+        # parameter's average is optimizer state, on the process that holds the parameter).
+        model = _model(optimizer=functools.partial(torch.optim.ASGD, lr=0.5, t0=2))
+        trainer = _trainer(strategy(), devices, [GradientAccumulationScheduler({0: 1, 1: 2})], max_epochs=EPOCHS)
+        trainer.fit(model, datamodule=_four_batches())
+        state = trainer.optimizers[0].state
+        out["accumulation_schedule"] = {
+            "global_step": trainer.global_step, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "averages": {n: state[p]["ax"].clone() for n, p in model.named_parameters()}}
     # Prediction with the untrained model.
     trainer = _trainer(strategy(), devices)
     out["predict"] = trainer.predict(_model(), datamodule=FixedBatches())
@@ -179,6 +189,21 @@ def test_the_learning_rate_finder_sweeps_and_restores_as_in_one_process(pp2, ref
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), rank
         assert (got["suggestion"], got["lr_after"]) == (ref["suggestion"], ref["lr_after"]), rank
         assert got["restored"], rank  # every rank's own parameters back where the sweep started
+
+
+@pytest.mark.timeout(200)
+def test_an_accumulation_schedule_and_asgd_averages_train_as_in_one_process(pp2, reference):
+    ref = reference["accumulation_schedule"]
+    assert ref["global_step"] == BATCHES + BATCHES // 2  # one batch a step in the first epoch, two in the second
+    assert max(rel_error(ref["averages"][n], p) for n, p in ref["params"].items()) > 1e-2  # averages, not weights
+    for rank, result in enumerate(pp2):
+        got = result["accumulation_schedule"]
+        assert got["global_step"] == ref["global_step"], rank
+        assert sorted(got["params"]) == sorted(got["averages"]) == sorted(n for n in ref["params"]
+                                                                          if n.startswith(OWN[rank])), rank
+        for name in got["params"]:
+            assert rel_error(got["params"][name], ref["params"][name]) < 1e-5, (rank, name)
+            assert rel_error(got["averages"][name], ref["averages"][name]) < 1e-5, (rank, name)
 
 
 @pytest.mark.timeout(200)

@@ -75,14 +75,21 @@ def test_bad_configurations_fail_in_setup_on_every_rank():
                                "shortest bucket has 5 steps (buckets [5, 9]); allowed: 1 to 5, or 'auto'")
 
 
-def _batch_size_finder_worker(rank: int, world_size: int, root: str) -> str:
+
+def _refused_callback_worker(rank: int, world_size: int, root: str, kind: str) -> str:
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
     from lightning.pytorch.tuner import Tuner
 
     warnings.filterwarnings("ignore")
-    trainer = _trainer(MPLSTMStrategy(), default_root_dir=root)
+    model = LSTMLanguageModel(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2)
     try:
-        Tuner(trainer).scale_batch_size(LSTMLanguageModel(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2),
-                                        datamodule=FixedBatches(), max_trials=2, steps_per_trial=1)
+        if kind == "batch_size_finder":
+            trainer = _trainer(MPLSTMStrategy(), default_root_dir=root)
+            Tuner(trainer).scale_batch_size(model, datamodule=FixedBatches(), max_trials=2, steps_per_trial=1)
+        else:
+            trainer = _trainer(MPLSTMStrategy(), default_root_dir=root, max_epochs=2,
+                               callbacks=[StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)])
+            trainer.fit(model, datamodule=FixedBatches())
         return "no error"
     except ValueError as err:
         assert trainer.global_step == 0
@@ -90,12 +97,16 @@ def _batch_size_finder_worker(rank: int, world_size: int, root: str) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_the_batch_size_finder_is_refused_on_every_rank_before_it_runs(tmp_path):
-    """Lightning lets a strategy that is not ``is_distributed`` run it: under the pipeline its trials would leave the
-    ranks waiting on one that ran out of memory, and each rank names its restoring checkpoint apart."""
-    messages = run_ranks(_batch_size_finder_worker, 2, str(tmp_path), timeout=100)
-    assert messages[0] == messages[1]
-    assert messages[0].startswith("mp_lstm does not run Lightning's batch-size finder (BatchSizeFinder, which "
-                                  "Tuner.scale_batch_size adds)")
-    assert "the data module's batch_size" in messages[0]
-    assert list(tmp_path.iterdir()) == []  # no trial ran, no checkpoint written
+@pytest.mark.parametrize(("kind", "start"), [
+    ("batch_size_finder", "mp_lstm does not run Lightning's batch-size finder (BatchSizeFinder, which "
+                          "Tuner.scale_batch_size adds)"),
+    ("swa", "mp_lstm does not run Lightning's StochasticWeightAveraging: it copies the whole module before"),
+])
+def test_callbacks_the_pipeline_cannot_run_are_refused_on_every_rank_before_training(tmp_path, kind, start):
+    """Lightning lets a strategy that is not ``is_distributed`` run the batch-size finder (under the pipeline it
+    failed after its first trial: each rank names its restoring checkpoint apart) and runs SWA on a copy of the
+    whole module that it then pairs with each rank's part by position (it failed on a size mismatch)."""
+    messages = run_ranks(_refused_callback_worker, 2, str(tmp_path), kind, timeout=100)
+    assert messages[0] == messages[1] and messages[0].startswith(start)
+    assert ("the data module's batch_size" if kind == "batch_size_finder" else "torch.optim.ASGD") in messages[0]
+    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was written

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
-from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.callbacks import BatchSizeFinder, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -37,16 +37,27 @@ DEFAULT_LENGTH = 35
 
 
 def check_callbacks(callbacks: Iterable[Any]) -> None:
-    """Refuse the callbacks a pipeline cannot run: Lightning's batch-size finder (``BatchSizeFinder``, which
-    ``Tuner.scale_batch_size`` adds) grows the batch until a process runs out of memory, and a pipeline rank that does
-    leaves its peers waiting for it (its restoring checkpoint is also named apart on each rank)."""
-    finders = [type(c).__name__ for c in callbacks if isinstance(c, BatchSizeFinder)]
-    if finders:
-        raise ValueError(f"mp_lstm does not run Lightning's batch-size finder ({finders[0]}, which "
-                         "Tuner.scale_batch_size adds): its trials grow the batch until a process runs out of memory, "
-                         "and a pipeline rank that does leaves the others waiting for it. Set the batch size yourself "
-                         "(the data module's batch_size); MPLSTMStrategy(memory_per_process=...) checks before "
-                         "training that the largest batch's activations fit a process")
+    """Refuse the callbacks a pipeline cannot run.
+
+    Lightning's batch-size finder (``BatchSizeFinder``, which ``Tuner.scale_batch_size`` adds) grows the batch until
+    a process runs out of memory, and a pipeline rank that does leaves its peers waiting for it (its restoring
+    checkpoint is also named apart on each rank). ``StochasticWeightAveraging`` copies the whole module before the
+    strategy splits it, then pairs the copy's parameters with the rank's own by position: it fails, or, where the
+    shapes happen to agree, averages one weight into another.
+    """
+    for callback in callbacks:
+        if isinstance(callback, BatchSizeFinder):
+            raise ValueError(f"mp_lstm does not run Lightning's batch-size finder ({type(callback).__name__}, which "
+                             "Tuner.scale_batch_size adds): its trials grow the batch until a process runs out of "
+                             "memory, and a pipeline rank that does leaves the others waiting for it. Set the batch "
+                             "size yourself (the data module's batch_size); MPLSTMStrategy(memory_per_process=...) "
+                             "checks before training that the largest batch's activations fit a process")
+        if isinstance(callback, StochasticWeightAveraging):
+            raise ValueError(f"mp_lstm does not run Lightning's {type(callback).__name__}: it copies the whole "
+                             "module before the strategy splits it over the processes, then averages the copy's "
+                             "parameters into each process's own by position, which are another model's. Average in "
+                             "the optimizer instead (torch.optim.ASGD, as AWD-LSTM's NT-ASGD does: each parameter's "
+                             "average stays with it, on the process that holds it)")
 
 
 def start_process_groups(
