@@ -7,6 +7,8 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.tuner import Tuner
 
 import lightning_mp_lstm  # noqa: F401
 from lightning_mp_lstm import LayoutError, LSTMLanguageModel, MPLSTMStrategy, PartitionError
@@ -75,11 +77,7 @@ def test_bad_configurations_fail_in_setup_on_every_rank():
                                "shortest bucket has 5 steps (buckets [5, 9]); allowed: 1 to 5, or 'auto'")
 
 
-
 def _refused_callback_worker(rank: int, world_size: int, root: str, kind: str) -> str:
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
-    from lightning.pytorch.tuner import Tuner
-
     warnings.filterwarnings("ignore")
     model = LSTMLanguageModel(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2)
     try:
