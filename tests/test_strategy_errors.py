@@ -7,7 +7,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
 
 import lightning_mp_lstm  # noqa: F401
@@ -85,8 +85,10 @@ def _refused_callback_worker(rank: int, world_size: int, root: str, kind: str) -
             trainer = _trainer(MPLSTMStrategy(), default_root_dir=root)
             Tuner(trainer).scale_batch_size(model, datamodule=FixedBatches(), max_trials=2, steps_per_trial=1)
         else:
-            trainer = _trainer(MPLSTMStrategy(), default_root_dir=root, max_epochs=2,
-                               callbacks=[StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)])
+            callback = {"swa": lambda: StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1),
+                        "ema": EMAWeightAveraging,
+                        "pruning": lambda: ModelPruning("l1_unstructured", amount=0.3)}[kind]()
+            trainer = _trainer(MPLSTMStrategy(), default_root_dir=root, max_epochs=2, callbacks=[callback])
             trainer.fit(model, datamodule=FixedBatches())
         return "no error"
     except ValueError as err:
@@ -99,12 +101,18 @@ def _refused_callback_worker(rank: int, world_size: int, root: str, kind: str) -
     ("batch_size_finder", "mp_lstm does not run Lightning's batch-size finder (BatchSizeFinder, which "
                           "Tuner.scale_batch_size adds)"),
     ("swa", "mp_lstm does not run Lightning's StochasticWeightAveraging: it copies the whole module before"),
+    ("ema", "mp_lstm does not run Lightning's EMAWeightAveraging: it copies the whole module before"),
+    ("pruning", "mp_lstm does not run Lightning's ModelPruning: it collects the layers to prune before the strategy "
+                "splits the module"),
 ])
 def test_callbacks_the_pipeline_cannot_run_are_refused_on_every_rank_before_training(tmp_path, kind, start):
     """Lightning lets a strategy that is not ``is_distributed`` run the batch-size finder (under the pipeline it
-    failed after its first trial: each rank names its restoring checkpoint apart) and runs SWA on a copy of the
-    whole module that it then pairs with each rank's part by position (it failed on a size mismatch)."""
+    failed after its first trial: each rank names its restoring checkpoint apart); it runs SWA and EMA on a copy of
+    the whole module that it then pairs with each rank's part by position (they failed on a size mismatch at the
+    first average), and pruning over layers collected before the split (global pruning ranked a rank's weights
+    against stale copies of the other rank's: the embedding pruned differently from one process, no error)."""
     messages = run_ranks(_refused_callback_worker, 2, str(tmp_path), kind, timeout=100)
     assert messages[0] == messages[1] and messages[0].startswith(start)
-    assert ("the data module's batch_size" if kind == "batch_size_finder" else "torch.optim.ASGD") in messages[0]
+    assert {"batch_size_finder": "the data module's batch_size", "swa": "torch.optim.ASGD", "ema": "torch.optim.ASGD",
+            "pruning": "torch.nn.utils.prune"}[kind] in messages[0]
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was written

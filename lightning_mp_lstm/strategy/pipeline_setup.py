@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
-from lightning.pytorch.callbacks import BatchSizeFinder, StochasticWeightAveraging
+from lightning.pytorch import callbacks as lightning_callbacks
+from lightning.pytorch.callbacks import BatchSizeFinder, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -34,16 +35,21 @@ __all__ = ["assemble_engine", "check_callbacks", "check_run", "make_verifier", "
 
 DEFAULT_ROWS = 32  # the batch assumed for planning when the data module does not say its own
 DEFAULT_LENGTH = 35
+#: Lightning's weight-averaging callbacks (``WeightAveraging``, with ``EMAWeightAveraging``, since Lightning 2.6).
+_WEIGHT_AVERAGING = tuple(c for c in (StochasticWeightAveraging, getattr(lightning_callbacks, "WeightAveraging", None))
+                          if c is not None)
 
 
 def check_callbacks(callbacks: Iterable[Any]) -> None:
-    """Refuse the callbacks a pipeline cannot run.
+    """Refuse the callbacks a pipeline cannot run, naming what to do instead.
 
     Lightning's batch-size finder (``BatchSizeFinder``, which ``Tuner.scale_batch_size`` adds) grows the batch until
     a process runs out of memory, and a pipeline rank that does leaves its peers waiting for it (its restoring
-    checkpoint is also named apart on each rank). ``StochasticWeightAveraging`` copies the whole module before the
-    strategy splits it, then pairs the copy's parameters with the rank's own by position: it fails, or, where the
-    shapes happen to agree, averages one weight into another.
+    checkpoint is also named apart on each rank). The weight-averaging callbacks copy the whole module in their
+    ``setup`` hook, before the strategy splits it, then pair the copy's parameters with the rank's own by position:
+    they fail, or, where the shapes happen to agree, average one weight into another. ``ModelPruning`` collects the
+    layers to prune in ``setup`` too, so each rank prunes copies of layers another rank trains and, pruning globally
+    (its default), ranks its own weights against those stale copies: silently another model than one process's.
     """
     for callback in callbacks:
         if isinstance(callback, BatchSizeFinder):
@@ -52,12 +58,19 @@ def check_callbacks(callbacks: Iterable[Any]) -> None:
                              "memory, and a pipeline rank that does leaves the others waiting for it. Set the batch "
                              "size yourself (the data module's batch_size); MPLSTMStrategy(memory_per_process=...) "
                              "checks before training that the largest batch's activations fit a process")
-        if isinstance(callback, StochasticWeightAveraging):
+        if isinstance(callback, _WEIGHT_AVERAGING):
             raise ValueError(f"mp_lstm does not run Lightning's {type(callback).__name__}: it copies the whole "
                              "module before the strategy splits it over the processes, then averages the copy's "
                              "parameters into each process's own by position, which are another model's. Average in "
                              "the optimizer instead (torch.optim.ASGD, as AWD-LSTM's NT-ASGD does: each parameter's "
                              "average stays with it, on the process that holds it)")
+        if isinstance(callback, ModelPruning):
+            raise ValueError(f"mp_lstm does not run Lightning's {type(callback).__name__}: it collects the layers to "
+                             "prune before the strategy splits the module over the processes, so each process prunes "
+                             "copies of layers another one trains and, pruning globally (use_global_unstructured, its "
+                             "default), ranks its own weights against those stale copies: another model than one "
+                             "process prunes. Prune the trained model in one process instead (torch.nn.utils.prune "
+                             "on the model loaded from the run's checkpoint)")
 
 
 def start_process_groups(
