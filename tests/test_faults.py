@@ -1,6 +1,7 @@
 """Failures off the happy path: an error on one rank reaches every rank, a killed rank is named by the others
 and leaves no process behind, a non-finite loss stops training where it started, dropout draws independent
-masks per stage and replica, and a rank killed while saving leaves the previous checkpoint usable."""
+masks per stage and replica, a rank killed while saving leaves the previous checkpoint usable, and no checkpoint
+mixes two steps."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm import checkpoint as checkpoint_module
-from lightning_mp_lstm.checkpoint import read_checkpoint
+from lightning_mp_lstm.checkpoint import CheckpointError, read_checkpoint
 from lightning_mp_lstm.planning import profile
 from tests.helpers import (
     RELIABILITY_MESSAGES,
@@ -335,3 +336,55 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_fro
     uninterrupted = _one_process_fit(3)
     assert resumed["global_step"] == uninterrupted["global_step"] == 3 * EPOCH_BATCHES
     assert_ranks_match([resumed["params"]], uninterrupted["params"])
+
+
+class _FailsOnOneRank(pl.Callback):
+    """Raises on global rank 1 before its optimizer step of global step 2: that rank keeps its blocks as of step 1
+    while rank 0 finishes step 2 (and waits in step 3 until the strategy's timeout)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_rank == 1 and trainer.global_step == 2:
+            raise ValueError("boom on rank 1 at global step 2")
+
+
+def _mid_step_save_worker(rank: int, world_size: int, directory: str) -> dict:
+    warnings.filterwarnings("ignore")
+    saved = OnExceptionCheckpoint(directory, filename="on_error")
+    trainer = quiet_trainer(_strategy(), world_size, max_epochs=2, callbacks=[_FailsOnOneRank(), saved],
+                            enable_checkpointing=True, default_root_dir=directory)
+    outcome = _outcome(lambda: trainer.fit(tiny_model(), datamodule=FixedBatches()))
+    return {**outcome, "global_step": trainer.global_step}
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_failed_mid_step_leaves_no_checkpoint_mixing_two_steps(tmp_path):
+    """``OnExceptionCheckpoint`` saves after one rank raised mid-step, when the other rank had taken one more step: the
+    file gathered from both held two steps' weights under rank 0's step count (written before this check). The
+    peers' process group may be broken by then (the waiting rank timed out), so what each rank raises is either the
+    check's message or the lost connection; either way nothing is written."""
+    results = run_ranks(_mid_step_save_worker, 2, str(tmp_path), timeout=TIMEOUT + 90)
+    assert [r["global_step"] for r in results] == [3, 2]
+    assert all(r["error"] is not None for r in results), results
+    assert list(tmp_path.iterdir()) == []
+
+
+def _save_at_steps_worker(rank: int, world_size: int, directory: str) -> str:
+    warnings.filterwarnings("ignore")
+    trainer = quiet_trainer(_strategy(), world_size, max_steps=1)
+    trainer.fit(tiny_model(), datamodule=FixedBatches())
+    try:
+        trainer.strategy.save_checkpoint({"epoch": 0, "global_step": 1 + rank, "state_dict": {}},
+                                         os.path.join(directory, "mixed.ckpt"))
+        return "written"
+    except CheckpointError as error:
+        return str(error)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_whose_ranks_are_at_different_steps_is_refused_on_every_rank(tmp_path):
+    messages = run_ranks(_save_at_steps_worker, 2, str(tmp_path), timeout=100)
+    assert messages[0] == messages[1] == (
+        f"checkpoint {tmp_path / 'mixed.ckpt'} was not written: the processes are at different training steps (rank 0 "
+        "at epoch 0, global step 1, rank 1 at epoch 0, global step 2), so its parts would mix two steps' weights; a "
+        "rank stopped in the middle of a step. Resume from the last checkpoint written before")
+    assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,13 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EMAWeightAveraging,
+    ModelPruning,
+    StochasticWeightAveraging,
+    ThroughputMonitor,
+)
 from lightning.pytorch.tuner import Tuner
 
 import lightning_mp_lstm  # noqa: F401
@@ -87,7 +93,8 @@ def _refused_callback_worker(rank: int, world_size: int, root: str, kind: str) -
         else:
             callback = {"swa": lambda: StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1),
                         "ema": EMAWeightAveraging,
-                        "pruning": lambda: ModelPruning("l1_unstructured", amount=0.3)}[kind]()
+                        "pruning": lambda: ModelPruning("l1_unstructured", amount=0.3),
+                        "finetuning": lambda: BackboneFinetuning(unfreeze_backbone_at_epoch=1)}[kind]()
             trainer = _trainer(MPLSTMStrategy(), default_root_dir=root, max_epochs=2, callbacks=[callback])
             trainer.fit(model, datamodule=FixedBatches())
         return "no error"
@@ -104,15 +111,39 @@ def _refused_callback_worker(rank: int, world_size: int, root: str, kind: str) -
     ("ema", "mp_lstm does not run Lightning's EMAWeightAveraging: it copies the whole module before"),
     ("pruning", "mp_lstm does not run Lightning's ModelPruning: it collects the layers to prune before the strategy "
                 "splits the module"),
+    ("finetuning", "mp_lstm does not run Lightning's BackboneFinetuning: it freezes and unfreezes the module's layers "
+                   "by attribute, which a process that does not hold them lacks"),
 ])
 def test_callbacks_the_pipeline_cannot_run_are_refused_on_every_rank_before_training(tmp_path, kind, start):
     """Lightning lets a strategy that is not ``is_distributed`` run the batch-size finder (under the pipeline it
     failed after its first trial: each rank names its restoring checkpoint apart); it runs SWA and EMA on a copy of
     the whole module that it then pairs with each rank's part by position (they failed on a size mismatch at the
     first average), and pruning over layers collected before the split (global pruning ranked a rank's weights
-    against stale copies of the other rank's: the embedding pruned differently from one process, no error)."""
+    against stale copies of the other rank's: the embedding pruned differently from one process, no error).
+    Finetuning failed on the rank without the unfrozen layer, and a resumed run lost the groups it had added."""
     messages = run_ranks(_refused_callback_worker, 2, str(tmp_path), kind, timeout=100)
     assert messages[0] == messages[1] and messages[0].startswith(start)
     assert {"batch_size_finder": "the data module's batch_size", "swa": "torch.optim.ASGD", "ema": "torch.optim.ASGD",
-            "pruning": "torch.nn.utils.prune"}[kind] in messages[0]
+            "pruning": "torch.nn.utils.prune", "finetuning": "LambdaLR"}[kind] in messages[0]
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was written
+
+
+def _throughput_worker(rank: int, world_size: int) -> tuple[list[str], int]:
+    warnings.simplefilter("always")
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer(MPLSTMStrategy(), callbacks=[monitor], max_epochs=1)
+        trainer.fit(LSTMLanguageModel(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2), datamodule=FixedBatches())
+    return [str(w.message) for w in caught if str(w.message).startswith("ThroughputMonitor")], trainer.global_step
+
+
+@pytest.mark.timeout(120)
+def test_the_throughput_monitor_runs_with_a_warning_that_its_numbers_count_every_stage():
+    """Lightning's ``ThroughputMonitor`` multiplies a process's samples by the world size, as if every process were a
+    data-parallel replica; under pp2 both processes share each batch, so its numbers are twice the run's."""
+    (warned, steps), (quiet, steps_1) = run_ranks(_throughput_worker, 2, timeout=100)
+    assert steps == steps_1 == 1 and quiet == []
+    assert warned == ["ThroughputMonitor counts each of the 2 processes as a data-parallel replica, but 2 of them "
+                      "share each batch (1 replica(s)): its samples, items and FLOPs per second are 2 times the run's. "
+                      "The run's own speed is logged as train/tokens_per_s_step and train/tokens_per_s_epoch"]

@@ -20,7 +20,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mp_lstm.base.faults import everywhere, gather, point_to_point_group, result_from
-from lightning_mp_lstm.checkpoint.files import check_finite, read_checkpoint
+from lightning_mp_lstm.checkpoint.files import CheckpointError, check_finite, read_checkpoint
 from lightning_mp_lstm.checkpoint.sharded import is_sharded, load_sharded, save_sharded
 from lightning_mp_lstm.checkpoint.state import (
     ModelNames,
@@ -32,12 +32,32 @@ from lightning_mp_lstm.checkpoint.state import (
     optimizer_state,
 )
 
-__all__ = ["CheckpointFormat", "FileFormat", "ShardedFormat", "checkpoint_format", "gather_to_rank_zero"]
+__all__ = ["CheckpointFormat", "FileFormat", "ShardedFormat", "check_one_step", "checkpoint_format",
+           "gather_to_rank_zero"]
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer of a ``LightningOptimizer`` (or the optimizer itself)."""
     return getattr(optimizer, "_optimizer", optimizer)
+
+
+def check_one_step(checkpoint: dict[str, Any], path: Any) -> None:
+    """Refuse, on every rank, to write a checkpoint whose parts come from different training steps.
+
+    Each rank contributes its own blocks' tensors; a rank that stopped in the middle of a step (an error raised on
+    that rank only, then ``OnExceptionCheckpoint`` or a save in ``on_exception``) holds its blocks as of another step
+    than its peers, and a file mixing them would resume as a model no run ever had.
+
+    Raises:
+        CheckpointError: naming each rank's epoch and global step.
+    """
+    steps = gather(lambda: (checkpoint.get("epoch"), checkpoint.get("global_step")))
+    if len(set(steps)) > 1:
+        at = ", ".join(f"rank {rank} at epoch {epoch}, global step {step}" for rank, (epoch, step) in enumerate(steps))
+        raise CheckpointError(
+            f"checkpoint {path} was not written: the processes are at different training steps ({at}), so its parts "
+            "would mix two steps' weights; a rank stopped in the middle of a step. Resume from the last checkpoint "
+            "written before")
 
 
 class CheckpointFormat:

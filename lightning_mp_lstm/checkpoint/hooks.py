@@ -7,7 +7,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_mp_lstm.checkpoint.formats import CheckpointFormat
+from lightning_mp_lstm.checkpoint.formats import CheckpointFormat, check_one_step
 from lightning_mp_lstm.checkpoint.state import ModelNames
 
 __all__ = ["CheckpointHooks"]
@@ -44,7 +44,10 @@ class CheckpointHooks:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """One file: written on global rank 0, atomically (see
         :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`). Sharded: a directory every rank writes its own
-        tensors to (:func:`~lightning_mp_lstm.checkpoint.save_sharded`). A failed write fails every rank."""
+        tensors to (:func:`~lightning_mp_lstm.checkpoint.save_sharded`). A failed write fails every rank, and nothing
+        is written when the ranks are at different steps
+        (:func:`~lightning_mp_lstm.checkpoint.formats.check_one_step`)."""
+        check_one_step(checkpoint, filepath)
         self._checkpoints.save(checkpoint, filepath, self.checkpoint_io, self._model_names, storage_options)
 
     @override

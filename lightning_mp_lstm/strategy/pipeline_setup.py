@@ -13,8 +13,15 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
 from lightning.pytorch import callbacks as lightning_callbacks
-from lightning.pytorch.callbacks import BatchSizeFinder, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    BatchSizeFinder,
+    ModelPruning,
+    StochasticWeightAveraging,
+    ThroughputMonitor,
+)
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mp_lstm.base.faults import PeerDirectory, setup_object_group
@@ -40,8 +47,9 @@ _WEIGHT_AVERAGING = tuple(c for c in (StochasticWeightAveraging, getattr(lightni
                           if c is not None)
 
 
-def check_callbacks(callbacks: Iterable[Any]) -> None:
-    """Refuse the callbacks a pipeline cannot run, naming what to do instead.
+def check_callbacks(callbacks: Iterable[Any], layout: ParallelLayout) -> None:
+    """Refuse the callbacks a pipeline cannot run, naming what to do instead, and warn of numbers a callback gets
+    wrong under ``layout``.
 
     Lightning's batch-size finder (``BatchSizeFinder``, which ``Tuner.scale_batch_size`` adds) grows the batch until
     a process runs out of memory, and a pipeline rank that does leaves its peers waiting for it (its restoring
@@ -50,6 +58,10 @@ def check_callbacks(callbacks: Iterable[Any]) -> None:
     they fail, or, where the shapes happen to agree, average one weight into another. ``ModelPruning`` collects the
     layers to prune in ``setup`` too, so each rank prunes copies of layers another rank trains and, pruning globally
     (its default), ranks its own weights against those stale copies: silently another model than one process's.
+    ``BaseFinetuning`` (``BackboneFinetuning``) freezes and unfreezes layers by attribute, which a process that does
+    not hold them lacks, and puts its optimizer groups back in ``on_fit_start``, before the strategy restores a
+    checkpoint: it fails at its first unfreezing, and a resumed run trains without the groups it added.
+    ``ThroughputMonitor`` counts every process as a data-parallel replica: it is run, with a warning.
     """
     for callback in callbacks:
         if isinstance(callback, BatchSizeFinder):
@@ -71,6 +83,19 @@ def check_callbacks(callbacks: Iterable[Any]) -> None:
                              "default), ranks its own weights against those stale copies: another model than one "
                              "process prunes. Prune the trained model in one process instead (torch.nn.utils.prune "
                              "on the model loaded from the run's checkpoint)")
+        if isinstance(callback, BaseFinetuning):
+            raise ValueError(f"mp_lstm does not run Lightning's {type(callback).__name__}: it freezes and unfreezes "
+                             "the module's layers by attribute, which a process that does not hold them lacks (its "
+                             "first unfreezing fails there), and it puts its optimizer groups back before the "
+                             "strategy restores a checkpoint, so a resumed run would train without them. Give the "
+                             "frozen layers their own parameter group in configure_optimizers, with a learning rate "
+                             "that a scheduler holds at 0 until they thaw (LambdaLR takes one function per group)")
+        copies = layout.world_size // layout.data_parallel_size
+        if isinstance(callback, ThroughputMonitor) and copies > 1:
+            rank_zero_warn(f"ThroughputMonitor counts each of the {layout.world_size} processes as a data-parallel "
+                           f"replica, but {copies} of them share each batch ({layout.data_parallel_size} replica(s)): "
+                           f"its samples, items and FLOPs per second are {copies} times the run's. The run's own "
+                           "speed is logged as train/tokens_per_s_step and train/tokens_per_s_epoch")
 
 
 def start_process_groups(

@@ -254,7 +254,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         layout = self._resolve_layout(self.world_size)
         # Everything that can be wrong is checked here, on every rank, before the first collective.
         trainer = self.lightning_module.trainer
-        check_callbacks(trainer.callbacks)
+        check_callbacks(trainer.callbacks, layout)
         self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING)
         if self.root_device.type == "cpu":
             torch.set_num_threads(self._process.threads(self.num_processes))
