@@ -391,3 +391,21 @@ def test_the_verify_command_runs_on_two_processes_and_fails_on_a_difference(tmp_
                            "--option", "n_microbatches=2"], timeout=110)
     assert differs.returncode == 1, differs.stdout[-3000:]
     assert "the pipeline does NOT reproduce the module's training step" in differs.stdout
+
+
+class StopsOnALargeLoss(CharRNN):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self._check(loss)
+        return loss
+
+    def _check(self, loss):
+        if loss > 100:
+            raise RuntimeError(f"loss {loss} at step {self.global_step}")
+
+
+def test_a_check_the_step_raises_is_named():
+    """The step's own checks never run under the pipeline: a module that stops itself on a bad loss would train on."""
+    (message,) = _check(StopsOnALargeLoss())
+    assert "the step raises RuntimeError (_check, line" in message and "a check the pipeline never makes" in message
+    assert "on_train_batch_end: outputs['loss']" in message

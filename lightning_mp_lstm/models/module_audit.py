@@ -6,9 +6,10 @@ Under ``mp_lstm`` the strategy runs the pieces a module declares
 method of the module it calls, ``forward`` through ``self(...)`` included) and the declared methods with :mod:`ast`, and
 names what the step does that the pieces do not: a submodule the step uses and no piece does (a locked dropout, a
 metric), a random draw (``embedded_dropout``, ``F.dropout``), a metric it logs that the strategy will not log, state it
-keeps across batches without ``carry_state``, a loss reduction or ``ignore_index`` other than the declared one, and
-parameters outside the blocks. It reads source only: it runs nothing and cannot see what a computed value is; the
-numerical check is ``MPLSTMStrategy(verify=True)`` (:mod:`~lightning_mp_lstm.strategy.verify`).
+keeps across batches without ``carry_state``, a loss reduction or ``ignore_index`` other than the declared one, an
+exception it raises (a check the pipeline would never make), and parameters outside the blocks. It reads source
+only: it runs nothing and cannot see what a computed value is; the numerical check is ``MPLSTMStrategy(verify=True)``
+(:mod:`~lightning_mp_lstm.strategy.verify`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class StepSource:
             -> where: state kept across batches.
         keywords: ``(call, keyword)`` -> literal value, for the loss calls.
         returned_keys: the literal keys of the dicts the methods return.
+        raised: exceptions raised by name (``raise ValueError(...)`` -> ``ValueError``) -> where.
         unread: methods whose source could not be read.
     """
 
@@ -74,6 +76,7 @@ class StepSource:
     carried: dict[str, str] = field(default_factory=dict)
     keywords: dict[tuple[str, str], Any] = field(default_factory=dict)
     returned_keys: set[str] = field(default_factory=set)
+    raised: dict[str, str] = field(default_factory=dict)
     unread: list[str] = field(default_factory=list)
 
 
@@ -144,6 +147,9 @@ def _read(tree: ast.AST, method: str, offset: int, found: StepSource) -> list[st
                         assigned.setdefault(part.attr, getattr(node, "lineno", 0))
         elif isinstance(node, ast.Return) and isinstance(node.value, ast.Dict):
             found.returned_keys.update(str(k.value) for k in node.value.keys if isinstance(k, ast.Constant))
+        elif isinstance(node, ast.Raise) and node.exc is not None:  # a bare re-raise decides nothing of its own
+            raised = _call_name(node.exc.func if isinstance(node.exc, ast.Call) else node.exc)
+            found.raised.setdefault(raised or "an exception", where(node))
         if not isinstance(node, ast.Call):
             continue
         called = _call_name(node.func)
@@ -222,6 +228,11 @@ def audit(module: nn.Module, declaration: Any, pipeline_metrics: Iterable[str] =
             findings.append(Finding(f"self.{name} is kept across batches and fed back to the model ({where}): "
                                     "state carried across batches", "declare carry_state=True"))
     findings += _loss_findings(step, d)
+    for name, where in sorted(step.raised.items()):
+        if name not in pieces.raised:
+            findings.append(Finding(f"the step raises {name} ({where}), a check the pipeline never makes",
+                                    "make it in a hook that sees the step's loss (on_train_batch_end: outputs['loss']) "
+                                    "or in a method the declaration names"))
     logged = {d.log_name.format(split="train", metric=m) for m in ("loss", *_terms(cls, d.hooks))}
     logged |= set(pipeline_metrics)
     for name, where in sorted(step.logged.items()):
