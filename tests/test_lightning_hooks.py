@@ -1,5 +1,5 @@
-"""Lightning's hooks, schedulers, early stopping, learning-rate finder, accumulation schedule and predict behave under
-mp_lstm as in one process."""
+"""Lightning's hooks, schedulers, early stopping, learning-rate finder, accumulation schedule, the callbacks that stop a
+run (spike detection, timer) and predict behave under mp_lstm as in one process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, GradientAccumulationScheduler
+from lightning.fabric.utilities.spike import TrainingSpikeException
+from lightning.pytorch.callbacks import EarlyStopping, GradientAccumulationScheduler, SpikeDetection, Timer
 from lightning.pytorch.tuner import Tuner
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
@@ -22,6 +23,18 @@ LR_FIND_LENGTHS, LR_FIND_STEPS = (5, 9, 7, 5) * 4, 16  # the suggestion skips th
 
 def _four_batches() -> FixedBatches:
     return FixedBatches((5, 9, 7, 5), seed=5)
+
+
+class LearningRateKick(pl.Callback):
+    """Raises every learning rate to ``lr`` after global step ``at``: the loss spikes a few steps later."""
+
+    def __init__(self, at: int, lr: float) -> None:
+        self.at, self.lr = at, lr
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = self.lr
 
 
 class HookRecorder(pl.Callback):
@@ -103,6 +116,19 @@ def _runs(strategy, devices: int, predict_only: bool = False, root: str | None =
         out["accumulation_schedule"] = {
             "global_step": trainer.global_step, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "averages": {n: state[p]["ax"].clone() for n, p in model.named_parameters()}}
+        # Callbacks that stop the run: a loss spike, the clock. Each rank decides on the same global loss (the spike)
+        # or takes global rank 0's decision (the timer), so every rank stops at one step.
+        trainer = _trainer(strategy(), devices, [LearningRateKick(at=6, lr=200.0), SpikeDetection()], max_epochs=3,
+                           default_root_dir=root)
+        try:
+            trainer.fit(_model(optimizer="sgd", lr=1.0), datamodule=FixedBatches())
+            spike = "no spike"
+        except TrainingSpikeException as error:
+            spike = str(error)
+        out["stopping"] = {"spike": spike, "spike_step": trainer.global_step}
+        trainer = _trainer(strategy(), devices, [Timer(duration={"seconds": 1})], max_epochs=10_000)
+        trainer.fit(_model(), datamodule=FixedBatches())
+        out["stopping"]["timer_step"] = trainer.global_step
     # Prediction with the untrained model.
     trainer = _trainer(strategy(), devices)
     out["predict"] = trainer.predict(_model(), datamodule=FixedBatches())
@@ -204,6 +230,16 @@ def test_an_accumulation_schedule_and_asgd_averages_train_as_in_one_process(pp2,
         for name in got["params"]:
             assert rel_error(got["params"][name], ref["params"][name]) < 1e-5, (rank, name)
             assert rel_error(got["averages"][name], ref["averages"][name]) < 1e-5, (rank, name)
+
+
+@pytest.mark.timeout(200)
+def test_spike_detection_and_the_timer_stop_every_rank_at_one_step(pp2, reference):
+    spike = reference["stopping"]["spike"]
+    assert spike.startswith("Training spike detected in batch")
+    assert [rank["stopping"]["spike"] for rank in pp2] == [spike, spike]
+    assert [rank["stopping"]["spike_step"] for rank in pp2] == [reference["stopping"]["spike_step"]] * 2
+    steps = [rank["stopping"]["timer_step"] for rank in pp2]
+    assert steps[0] == steps[1] and 0 < steps[0] < 10_000 * len(FixedBatches().train)
 
 
 @pytest.mark.timeout(200)
