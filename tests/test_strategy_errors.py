@@ -147,3 +147,41 @@ def test_the_throughput_monitor_runs_with_a_warning_that_its_numbers_count_every
     assert warned == ["ThroughputMonitor counts each of the 2 processes as a data-parallel replica, but 2 of them "
                       "share each batch (1 replica(s)): its samples, items and FLOPs per second are 2 times the run's. "
                       "The run's own speed is logged as train/tokens_per_s_step and train/tokens_per_s_epoch"]
+
+
+class ManualOptimization(LSTMLanguageModel):
+    """A module that steps its optimizer itself, in its training_step (which the pipeline does not run)."""
+
+    def __init__(self) -> None:
+        super().__init__(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def _manual_optimization_worker(rank: int, world_size: int) -> str:
+    warnings.filterwarnings("ignore")
+    trainer = _trainer(MPLSTMStrategy(), max_epochs=1)
+    try:
+        trainer.fit(ManualOptimization(), datamodule=FixedBatches())
+        return f"no error, {trainer.global_step} steps"
+    except ValueError as err:
+        assert trainer.global_step == 0
+        return str(err)
+
+
+@pytest.mark.timeout(120)
+def test_manual_optimization_is_refused_on_every_rank_before_training():
+    """Its optimizer steps in its own training_step, which the pipeline does not run: the run ended with no update
+    and no error ("no error, 0 steps" on both ranks)."""
+    messages = run_ranks(_manual_optimization_worker, 2, timeout=100)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("ManualOptimization sets automatic_optimization = False, which mp_lstm cannot "
+                                  "train: the pipeline computes the gradients in its schedule")
+    assert "Trainer(accumulate_grad_batches=...)" in messages[0]

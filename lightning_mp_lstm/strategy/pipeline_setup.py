@@ -37,14 +37,29 @@ from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions, make_plan
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.precision import REFUSED_PRECISIONS
 
-__all__ = ["assemble_engine", "check_callbacks", "check_run", "make_verifier", "plan_run", "replica_rows",
-           "report_not_reproduced", "start_process_groups"]
+__all__ = ["assemble_engine", "check_automatic_optimization", "check_callbacks", "check_run", "make_verifier",
+           "plan_run", "replica_rows", "report_not_reproduced", "start_process_groups"]
 
 DEFAULT_ROWS = 32  # the batch assumed for planning when the data module does not say its own
 DEFAULT_LENGTH = 35
 #: Lightning's weight-averaging callbacks (``WeightAveraging``, with ``EMAWeightAveraging``, since Lightning 2.6).
 _WEIGHT_AVERAGING = tuple(c for c in (StochasticWeightAveraging, getattr(lightning_callbacks, "WeightAveraging", None))
                           if c is not None)
+
+
+def check_automatic_optimization(model: Any) -> None:
+    """Refuse to train a module with manual optimization: its ``training_step``, where it would call
+    ``optimizer.step()``, is not run under the pipeline (the strategy runs the declared pieces), so the run would
+    end without a single update and without an error."""
+    if getattr(model, "automatic_optimization", True):
+        return
+    name = type(model).__name__
+    raise ValueError(f"{name} sets automatic_optimization = False, which mp_lstm cannot train: the pipeline computes "
+                     f"the gradients in its schedule and Lightning's automatic optimization steps the optimizer, and "
+                     f"{name}.training_step, where manual optimization steps it, is not run under the pipeline (no "
+                     "parameter would ever change). Use automatic optimization (clipping: Trainer(gradient_clip_val="
+                     "...); an update every few batches: Trainer(accumulate_grad_batches=...)), or train this module "
+                     "on one process")
 
 
 def check_callbacks(callbacks: Iterable[Any], layout: ParallelLayout) -> None:

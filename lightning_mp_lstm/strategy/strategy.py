@@ -53,6 +53,7 @@ from lightning_mp_lstm.strategy.launcher import JobLauncher
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.pipeline_setup import (
     assemble_engine,
+    check_automatic_optimization,
     check_callbacks,
     check_run,
     make_verifier,
@@ -276,12 +277,15 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         ``pipeline_parallel_size``, or a strategy already attached to a Trainer).
 
         Raises:
+            ValueError: ``fitting`` a module with manual optimization (``automatic_optimization = False``).
             TypeError: the model declares no pipeline (the message shows what to add), or planning needs the data's
                 batch shape and the data module does not say it.
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
             LayoutError: ``n_microbatches`` does not fit the batch, or ``time_chunks`` the shortest bucket.
             ActivationMemoryError: the largest training batch's activations cannot fit ``memory_per_process``.
         """
+        if fitting:
+            check_automatic_optimization(model)
         blocks = self._blocks(model)
         device = self.root_device if self.parallel_devices else None
         check_run(blocks, type(model).__name__, self.precision_plugin, self.layout, self._options, self._process,
