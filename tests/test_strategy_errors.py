@@ -185,3 +185,35 @@ def test_manual_optimization_is_refused_on_every_rank_before_training():
     assert messages[0].startswith("ManualOptimization sets automatic_optimization = False, which mp_lstm cannot "
                                   "train: the pipeline computes the gradients in its schedule")
     assert "Trainer(accumulate_grad_batches=...)" in messages[0]
+
+
+class GroupsByAttribute(LSTMLanguageModel):
+    """Parameter groups taken from a block's attribute: on the process without that block, it is None."""
+
+    def __init__(self) -> None:
+        super().__init__(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2)
+
+    def configure_optimizers(self):
+        rest = [p for n, p in self.named_parameters() if not n.startswith("embedding.")]
+        return torch.optim.SGD([{"params": self.embedding.parameters(), "lr": 0.1}, {"params": rest}], lr=1.0)
+
+
+def _groups_worker(rank: int, world_size: int) -> str:
+    warnings.filterwarnings("ignore")
+    trainer = _trainer(MPLSTMStrategy(timeout=30), max_epochs=1)
+    try:
+        trainer.fit(GroupsByAttribute(), datamodule=FixedBatches())
+        return "no error"
+    except (AttributeError, RuntimeError) as err:
+        return str(err)
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_groups_from_a_block_another_process_holds_get_a_message_that_says_what_to_do():
+    """Before, rank 1 raised a bare "'NoneType' object has no attribute 'parameters'"."""
+    first, second = run_ranks(_groups_worker, 2, timeout=100)
+    hint = ("GroupsByAttribute.configure_optimizers failed on global rank 1 ('NoneType' object has no attribute "
+            "'parameters'): under mp_lstm it runs on each process's part of the module, where the blocks other "
+            "processes hold are None. Build parameter groups by parameter name")
+    assert second.startswith(hint)
+    assert first.startswith("mp_lstm: rank 0 stopped because it lost a peer: rank 1") and hint in first

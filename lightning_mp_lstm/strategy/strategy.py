@@ -318,6 +318,22 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's, on this process's part of the module: an ``AttributeError`` on a block another process holds
+        (``None`` here) gets a message that says how to build parameter groups that work on every process."""
+        try:
+            super().setup_optimizers(trainer)
+        except AttributeError as error:
+            if "'NoneType' object has no attribute" not in str(error):
+                raise
+            name = type(self.lightning_module).__name__
+            raise AttributeError(
+                f"{name}.configure_optimizers failed on global rank {self.global_rank} ({error}): under mp_lstm it "
+                "runs on each process's part of the module, where the blocks other processes hold are None. Build "
+                "parameter groups by parameter name, e.g. [p for n, p in self.named_parameters() if "
+                "n.startswith('embedding.')]: a group may be empty on a process") from error
+
     def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> PipelineEngine:
         blocks = pipeline_model(module)
         self._metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"),
