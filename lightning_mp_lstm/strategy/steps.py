@@ -14,6 +14,7 @@ from typing_extensions import override
 from lightning_mp_lstm.models.metrics import LanguageModelMetrics
 from lightning_mp_lstm.pipeline.engine import PipelineEngine
 from lightning_mp_lstm.planning import report
+from lightning_mp_lstm.strategy.batches import check_same_batch
 from lightning_mp_lstm.strategy.precision import PipelinePrecision
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class PipelineSteps:
     precision_plugin: PipelinePrecision
     lightning_module: Any
     root_device: Any
+    world_size: int
+    data_parallel_rank: int
     report: str
     _metrics: LanguageModelMetrics
     _step_clock: report.StepClock
@@ -75,6 +78,9 @@ class PipelineSteps:
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:  # a new epoch: the stream starts again
+            if self.world_size > self.engine.layout.data_parallel_size:  # processes share each replica's batch
+                epoch = self.lightning_module.trainer.current_epoch
+                check_same_batch(batch, self.data_parallel_rank, f"the first batch of epoch {epoch}")
             self.engine.reset_state("train")
             self._metrics.start_epoch()
         if self._verifier is not None and not self._verifier.done:

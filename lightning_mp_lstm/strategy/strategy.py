@@ -48,6 +48,7 @@ from lightning_mp_lstm.planning import report
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions
 from lightning_mp_lstm.strategy import summary
+from lightning_mp_lstm.strategy.batches import seed_workers_by_replica
 from lightning_mp_lstm.strategy.collectives import StrategyCollectives
 from lightning_mp_lstm.strategy.launcher import JobLauncher
 from lightning_mp_lstm.strategy.options import ProcessOptions
@@ -317,6 +318,13 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Seed the loader's workers by data-parallel replica, not by global rank (``seed_everything(workers=True)``):
+        every process of a replica must load the same batch (:mod:`~lightning_mp_lstm.strategy.batches`)."""
+        seed_workers_by_replica(dataloader, self.data_parallel_rank)
+        return dataloader
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
