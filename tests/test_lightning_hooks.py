@@ -1,5 +1,5 @@
-"""Lightning's hooks, schedulers, early stopping, learning-rate finder, accumulation schedule, the callbacks that stop a
-run (spike detection, timer) and predict behave under mp_lstm as in one process."""
+"""Lightning's hooks, schedulers (one on a logged metric too), early stopping, learning-rate finder, accumulation
+schedule, the callbacks that stop a run (spike detection, timer) and predict behave under mp_lstm as in one process."""
 
 from __future__ import annotations
 
@@ -98,6 +98,15 @@ def _runs(strategy, devices: int, predict_only: bool = False, root: str | None =
         out["early_stopping"] = {"epoch": trainer.current_epoch, "stopped_epoch": stopper.stopped_epoch,
                                  "should_stop": trainer.should_stop, "val": val_losses.values,
                                  "global_step": trainer.global_step}
+        # A scheduler that reads a logged metric: ReduceLROnPlateau on the validation loss, which rises (large lr).
+        model = _model(optimizer="adam", lr=0.2, scheduler=lambda optimizer: {
+            "scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0),
+            "monitor": "val/loss"})
+        hooks = HookRecorder()
+        trainer = _trainer(strategy(), devices, [hooks], max_epochs=4)
+        trainer.fit(model, datamodule=FixedBatches((5, 9, 7), validate_on_train=True))
+        out["plateau"] = {"lrs": hooks.epoch_lrs,
+                          "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
         # The learning-rate finder: an exponential sweep, then the weights it started from restored.
         model = _model(optimizer="sgd", lr=0.1)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -230,6 +239,17 @@ def test_an_accumulation_schedule_and_asgd_averages_train_as_in_one_process(pp2,
         for name in got["params"]:
             assert rel_error(got["params"][name], ref["params"][name]) < 1e-5, (rank, name)
             assert rel_error(got["averages"][name], ref["averages"][name]) < 1e-5, (rank, name)
+
+
+@pytest.mark.timeout(200)
+def test_a_scheduler_on_the_validation_loss_lowers_the_rate_at_one_processs_epochs(pp2, reference):
+    lrs = reference["plateau"]["lrs"]
+    assert len(set(lrs)) > 1  # the rate was lowered at least once
+    for rank, result in enumerate(pp2):
+        assert result["plateau"]["lrs"] == lrs, rank
+        for name, value in result["plateau"]["params"].items():
+            assert name.startswith(OWN[rank])
+            assert rel_error(value, reference["plateau"]["params"][name]) < 1e-5, (rank, name)
 
 
 @pytest.mark.timeout(200)
