@@ -68,12 +68,12 @@ def check_same_batch(batch: Any, replica: int, where: str) -> None:
     """
     everyone = gather(lambda: (replica, batch_fingerprint(batch)))
     first: dict[int, tuple[int, list[Any]]] = {}
-    for rank, (group, fingerprint) in enumerate(everyone):
-        seen = first.setdefault(group, (rank, fingerprint))
+    for rank, (rank_replica, fingerprint) in enumerate(everyone):
+        seen = first.setdefault(rank_replica, (rank, fingerprint))
         if seen[1] != fingerprint:
             raise ValueError(
-                f"the processes of data-parallel replica {group} loaded different batches at {where} (global ranks "
-                f"{seen[0]} and {rank}): every pipeline stage and tensor-parallel shard of a replica must see the same "
+                f"the processes of data-parallel replica {rank_replica} loaded different batches at {where} (global "
+                f"ranks {seen[0]} and {rank}): every pipeline stage and tensor-parallel shard of a replica must see the same "
                 "batch (the first stage reads its inputs, the last its targets). A random transform in the data "
                 "pipeline that draws per process does this, e.g. a DataLoader worker_init_fn or a generator seeded "
                 "by global rank; seed it by data-parallel rank (trainer.strategy.distributed_sampler_kwargs['rank']) "
