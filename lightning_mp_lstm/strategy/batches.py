@@ -72,9 +72,10 @@ def check_same_batch(batch: Any, replica: int, where: str) -> None:
         seen = first.setdefault(rank_replica, (rank, fingerprint))
         if seen[1] != fingerprint:
             raise ValueError(
-                f"the processes of data-parallel replica {rank_replica} loaded different batches at {where} (global "
-                f"ranks {seen[0]} and {rank}): every pipeline stage and tensor-parallel shard of a replica must see the "
-                "same batch (the first stage reads its inputs, the last its targets). A random transform in the data "
-                "pipeline that draws per process does this, e.g. a DataLoader worker_init_fn or a generator seeded "
-                "by global rank; seed it by data-parallel rank (trainer.strategy.distributed_sampler_kwargs['rank']) "
-                "or by nothing, or draw in a method the pipeline declaration names")
+                f"the processes of data-parallel replica {rank_replica} loaded different batches at {where} "
+                f"(global ranks {seen[0]} and {rank}): every pipeline stage and tensor-parallel shard of a replica "
+                "must see the same batch (the first stage reads its inputs, the last its targets). A random "
+                "transform in the data pipeline that draws per process does this, e.g. a DataLoader worker_init_fn "
+                "or a generator seeded by global rank; seed it by data-parallel rank "
+                "(trainer.strategy.distributed_sampler_kwargs['rank']) or by nothing, or draw in a method the "
+                "pipeline declaration names")
