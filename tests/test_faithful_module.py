@@ -409,3 +409,20 @@ def test_a_check_the_step_raises_is_named():
     (message,) = _check(StopsOnALargeLoss())
     assert "the step raises RuntimeError (_check, line" in message and "a check the pipeline never makes" in message
     assert "on_train_batch_end: outputs['loss']" in message
+
+
+class ClipsInAHook(CharRNN):
+    def on_before_optimizer_step(self, optimizer):
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.25)
+
+
+def test_a_clip_by_norm_in_a_hook_is_named_where_the_model_is_split():
+    """Each process would clip by its own part's norm (one process clips by the whole model's)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MPLSTMStrategy(pipeline_parallel_size=2).check(ClipsInAHook())
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, NotReproducedWarning)]
+    assert "clip_grad_norm_(...) in on_before_optimizer_step, line" in message
+    assert "clips by the norm of this process's part of the model, not of the whole model" in message
+    assert "Trainer(gradient_clip_val=...)" in message
+    assert _check(ClipsInAHook()) == []  # one stage holds the whole model: its own norm is the model's

@@ -33,6 +33,10 @@ RANDOM_CALLS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alp
 #: Loss functions whose ``reduction`` / ``ignore_index`` keywords the audit compares with the declaration.
 LOSS_CALLS = frozenset({"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"})
 _REDUCTION_OF = {"mean": "token_mean", "sum": "sum"}
+#: Calls that clip by the norm of the gradients they are given: under a split model, this process's part's.
+NORM_CLIPS = frozenset({"clip_grad_norm_", "clip_grad_norm", "clip_grads_with_norm_"})
+#: The module's hooks that may change gradients before the optimizer steps.
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
 DOCS_PAGE = "docs/bring_your_own_model.md"
 
 
@@ -196,23 +200,27 @@ def parameters_outside(module: nn.Module, block_paths: Iterable[str]) -> list[st
     return [name for name, _ in module.named_parameters() if not name.startswith(paths)]
 
 
-def audit(module: nn.Module, declaration: Any, pipeline_metrics: Iterable[str] = ()) -> list[Finding]:
-    """What ``module`` 's ``training_step`` does that the pipeline running ``declaration`` would not.
+def audit(module: nn.Module, declaration: Any, pipeline_metrics: Iterable[str] = (), split: bool = False,
+          ) -> list[Finding]:
+    """What ``module`` 's ``training_step`` (and, on a split model, its gradient hooks) does that the pipeline
+    running ``declaration`` would not.
 
     Args:
         module: the user's module (whole, before pruning).
         declaration: its :class:`~lightning_mp_lstm.models.declaration.LSTMBlocks`.
         pipeline_metrics: the training metric names the strategy logs for it (besides the loss terms the declared
             methods return, which are read from their source).
+        split: each process holds part of the model (pipeline or tensor parallel): a hook that clips by the norm of
+            ``self.parameters()`` clips by a part's.
     """
     cls, d = type(module), declaration
+    findings = _clip_findings(cls) if split else []
     if not hasattr(cls, "training_step") or _base_method(cls, "training_step"):
-        return []
+        return findings
     step = read_methods(cls, ["training_step"])
     pieces = read_methods(cls, list(d.hooks.values()))
     declared = {path.split(".")[0] for path in (d.embedding, d.lstm, d.decoder)}
     declared |= {value.split(".")[0] for value in (d.dropout, d.layer_dropout) if isinstance(value, str)}
-    findings: list[Finding] = []
     hook_fix = "compute it in a method the declaration names (LSTMBlocks(embed=..., after_lstm=..., loss=..., " \
                "penalty=...))"
     children = dict(module.named_children())
@@ -249,6 +257,17 @@ def audit(module: nn.Module, declaration: Any, pipeline_metrics: Iterable[str] =
     return findings
 
 
+def _clip_findings(cls: type) -> list[Finding]:
+    """A clip by norm in the module's gradient hooks: each process would clip by its own part's norm."""
+    hooks = read_methods(cls, list(GRADIENT_HOOKS))
+    fix = ("clip with Trainer(gradient_clip_val=...), which the strategy applies with the whole model's norm (in "
+           "configure_gradient_clipping: self.clip_gradients(optimizer, gradient_clip_val=..., "
+           "gradient_clip_algorithm='norm'))")
+    return [Finding(f"{call}(...) in {where} clips by the norm of this process's part of the model, not of the "
+                    "whole model", fix)
+            for call, where in sorted(hooks.calls.items()) if call in NORM_CLIPS]
+
+
 def _terms(cls: type, hooks: dict[str, str]) -> set[str]:
     """The loss terms the pipeline logs for the declared methods: the literal keys of the dicts they return (a
     penalty returning one tensor is the term ``penalty``)."""
@@ -282,7 +301,8 @@ def _loss_findings(step: StepSource, d: Any) -> list[Finding]:
 def render_findings(module_name: str, findings: list[Finding]) -> str:
     """One message naming every finding and its fix."""
     lines = [f"mp_lstm runs the pieces {module_name} declares in configure_pipeline() in place of "
-             f"{module_name}.training_step, and they do not reproduce all of it:"]
+             f"{module_name}.training_step, and its hooks on each process's part of the model; they do not reproduce "
+             "all of it:"]
     lines += [f"  - {f.what}: {f.fix}" for f in findings]
     lines.append(f"Check the declaration numerically with MPLSTMStrategy(verify=True) (see {DOCS_PAGE}).")
     return "\n".join(lines)

@@ -213,8 +213,10 @@ def assemble_engine(
     return engine
 
 
-def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: bool = True) -> None:
-    """Name, before training, what the pipeline would not reproduce of ``module`` 's own training step
+def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: bool = True,
+                          split: bool = False) -> None:
+    """Name, before training, what the pipeline would not reproduce of ``module`` 's own training step and, when
+    ``split`` (each process holds part of the model), its gradient hooks
     (:mod:`~lightning_mp_lstm.models.module_audit`): parameters outside the declared blocks stop the run (they would
     never be trained); everything else is one :class:`~lightning_mp_lstm.models.module_audit.NotReproducedWarning` (when
     ``warn``: on one rank).
@@ -232,7 +234,7 @@ def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: 
             f"{name} has parameters outside its declared blocks, which the pipeline would never train: "
             f"{', '.join(outside)}. mp_lstm splits embedding -> LSTM layers -> decoder; move them into those "
             "modules, or keep this model on one process")
-    findings = audit(module, declaration)
+    findings = audit(module, declaration, split=split)
     if findings and warn:
         warnings.warn(render_findings(name, findings), NotReproducedWarning, stacklevel=2)
 
