@@ -426,3 +426,19 @@ def test_a_clip_by_norm_in_a_hook_is_named_where_the_model_is_split():
     assert "clips by the norm of this process's part of the model, not of the whole model" in message
     assert "Trainer(gradient_clip_val=...)" in message
     assert _check(ClipsInAHook()) == []  # one stage holds the whole model: its own norm is the model's
+
+
+class ValidatesItsOwnWay(CharRNN):
+    def validation_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self.decoder(self.rnn(self.encoder(inputs))[0])
+        self.log("val_loss", F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        self.log("val_acc", (logits.argmax(-1) == targets).float().mean())
+
+
+def test_a_metric_the_modules_own_validation_logs_and_the_pipeline_does_not_is_named():
+    (message,) = _check(ValidatesItsOwnWay())
+    assert "metric 'val_acc', logged in validation_step, line" in message
+    assert "in place of ValidatesItsOwnWay.validation_step (it logs val_loss, val_ppl)" in message
+    assert "trainer.predict's outputs" in message
+    assert "'val_loss'" not in message  # the pipeline logs that one

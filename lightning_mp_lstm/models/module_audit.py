@@ -7,9 +7,10 @@ method of the module it calls, ``forward`` through ``self(...)`` included) and t
 names what the step does that the pieces do not: a submodule the step uses and no piece does (a locked dropout, a
 metric), a random draw (``embedded_dropout``, ``F.dropout``), a metric it logs that the strategy will not log, state it
 keeps across batches without ``carry_state``, a loss reduction or ``ignore_index`` other than the declared one, an
-exception it raises (a check the pipeline would never make), and parameters outside the blocks. It reads source
-only: it runs nothing and cannot see what a computed value is; the numerical check is ``MPLSTMStrategy(verify=True)``
-(:mod:`~lightning_mp_lstm.strategy.verify`).
+exception it raises (a check the pipeline would never make), and parameters outside the blocks; of the module's
+``validation_step`` and ``test_step``, a metric they log that the pipeline's evaluation does not; on a split model,
+a clip by norm in a gradient hook. It reads source only: it runs nothing and cannot see what a computed value is;
+the numerical check is ``MPLSTMStrategy(verify=True)`` (:mod:`~lightning_mp_lstm.strategy.verify`).
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def audit(module: nn.Module, declaration: Any, pipeline_metrics: Iterable[str] =
             ``self.parameters()`` clips by a part's.
     """
     cls, d = type(module), declaration
-    findings = _clip_findings(cls) if split else []
+    findings = (_clip_findings(cls) if split else []) + _evaluation_findings(cls, d)
     if not hasattr(cls, "training_step") or _base_method(cls, "training_step"):
         return findings
     step = read_methods(cls, ["training_step"])
@@ -266,6 +267,23 @@ def _clip_findings(cls: type) -> list[Finding]:
     return [Finding(f"{call}(...) in {where} clips by the norm of this process's part of the model, not of the "
                     "whole model", fix)
             for call, where in sorted(hooks.calls.items()) if call in NORM_CLIPS]
+
+
+def _evaluation_findings(cls: type, d: Any) -> list[Finding]:
+    """A metric the module's own ``validation_step`` / ``test_step`` logs that the pipeline's evaluation does not."""
+    findings = []
+    for split, method in (("val", "validation_step"), ("test", "test_step")):
+        if not callable(getattr(cls, method, None)) or _base_method(cls, method):
+            continue
+        logged = {d.log_name.format(split=split, metric=m) for m in ("loss", "ppl", *_terms(cls, d.hooks))}
+        for name, where in sorted(read_methods(cls, [method]).logged.items()):
+            if name != "?" and name not in logged:
+                findings.append(Finding(
+                    f"metric {name!r}, logged in {where}, is not logged by the pipeline's evaluation, which runs in "
+                    f"place of {cls.__name__}.{method} (it logs {', '.join(sorted(logged))})",
+                    "compute it from trainer.predict's outputs (each target's log-probability, the predicted next "
+                    "tokens), e.g. in a callback"))
+    return findings
 
 
 def _terms(cls: type, hooks: dict[str, str]) -> set[str]:
