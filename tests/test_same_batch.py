@@ -1,5 +1,5 @@
 """Every process of one data-parallel replica loads the same batch: Lightning's worker seeding goes by replica, and
-processes that loaded different batches stop at the first step of the epoch, on every rank."""
+processes that loaded different batches stop at the first step of the epoch (or of an evaluation), on every rank."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ class Relabelled(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(RandomlyRelabelled(self.per_process), batch_size=self.batch_size, num_workers=self.workers)
 
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
 
 class BatchProbe(pl.Callback):
     def __init__(self) -> None:
@@ -63,7 +66,7 @@ def _worker(rank: int, world_size: int, per_process: bool, workers: int) -> dict
     pl.seed_everything(0, workers=True, verbose=False)
     probe = BatchProbe()
     trainer = quiet_trainer(MPLSTMStrategy(n_microbatches=2, report_after_steps=None), world_size, [probe],
-                            max_epochs=2)
+                            max_epochs=2, limit_val_batches=0)
     try:
         trainer.fit(tiny_model(), datamodule=Relabelled(per_process, workers))
         error = None
@@ -95,3 +98,21 @@ def test_processes_of_a_replica_that_loaded_different_batches_stop_at_the_first_
         "data-parallel rank (trainer.strategy.distributed_sampler_kwargs['rank']) or by nothing, or draw in a method "
         "the pipeline declaration names")
     assert first["global_step"] == second["global_step"] == 0
+
+
+def _validate_worker(rank: int, world_size: int) -> str:
+    warnings.filterwarnings("ignore")
+    trainer = quiet_trainer(MPLSTMStrategy(n_microbatches=2, report_after_steps=None), world_size)
+    try:
+        trainer.validate(tiny_model(), datamodule=Relabelled(per_process=True))
+        return "no error"
+    except ValueError as err:
+        return str(err)
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluation_whose_processes_loaded_different_batches_stops_at_its_first_batch():
+    first, second = run_ranks(_validate_worker, 2, timeout=100)
+    assert first == second
+    assert first.startswith("the processes of data-parallel replica 0 loaded different batches at the first val "
+                            "batch (global ranks 0 and 1)")

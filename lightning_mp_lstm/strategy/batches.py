@@ -5,8 +5,8 @@ Lightning seeds a loader's worker processes by global rank (``seed_everything(wo
 wants; here it would give each stage's workers their own random draws, and a random transform in the data pipeline
 would pair one batch's inputs with another's targets, without an error. :func:`seed_workers_by_replica` seeds them by
 replica instead, and :func:`check_same_batch` compares what the processes of each replica loaded at the first batch
-of every training epoch (one small collective an epoch), so a transform that draws per process in any other way stops
-the run at its first step.
+of every training epoch and of every evaluation (one small collective each), so a transform that draws per process in
+any other way stops the run at its first step.
 """
 
 from __future__ import annotations

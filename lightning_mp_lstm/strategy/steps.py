@@ -55,13 +55,15 @@ class PipelineSteps:
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        return self._evaluate(batch, "val", self.precision_plugin.val_step_context())
+        return self._evaluate(batch, batch_idx, "val", self.precision_plugin.val_step_context())
 
     @override
     def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        return self._evaluate(batch, "test", self.precision_plugin.test_step_context())
+        return self._evaluate(batch, batch_idx, "test", self.precision_plugin.test_step_context())
 
-    def _evaluate(self, batch: Any, split: str, context: Any) -> Tensor:
+    def _evaluate(self, batch: Any, batch_idx: int, split: str, context: Any) -> Tensor:
+        if batch_idx == 0:
+            self._check_same_batch(batch, f"the first {split} batch")
         with context:
             result = self.engine.evaluate(batch)
         self._metrics.log(self.lightning_module, split, result.loss, result.tokens, _rows(batch), result.weights,
@@ -78,14 +80,17 @@ class PipelineSteps:
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:  # a new epoch: the stream starts again
-            if self.world_size > self.engine.layout.data_parallel_size:  # processes share each replica's batch
-                epoch = self.lightning_module.trainer.current_epoch
-                check_same_batch(batch, self.data_parallel_rank, f"the first batch of epoch {epoch}")
+            self._check_same_batch(batch, f"the first batch of epoch {self.lightning_module.trainer.current_epoch}")
             self.engine.reset_state("train")
             self._metrics.start_epoch()
         if self._verifier is not None and not self._verifier.done:
             self._run_verification(batch)
         self._step_clock.tick(batch)
+
+    def _check_same_batch(self, batch: Any, where: str) -> None:
+        """Where processes share each replica's batch (pipeline or tensor parallel), check that they loaded one."""
+        if self.world_size > self.engine.layout.data_parallel_size:
+            check_same_batch(batch, self.data_parallel_rank, where)
 
     @override
     def on_train_end(self) -> None:
