@@ -143,6 +143,11 @@ class ParallelLayout:
         return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
+    def processes_per_replica(self) -> int:
+        """Processes that share each replica's batch (and hold its model in parts): pipeline x tensor parallel."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
     def num_stages(self) -> int:
         """Pipeline stages in one replica: pipeline_parallel_size x stages_per_rank."""
         return self.pipeline_parallel_size * self.stages_per_rank

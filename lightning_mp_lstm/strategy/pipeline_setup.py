@@ -105,7 +105,7 @@ def check_callbacks(callbacks: Iterable[Any], layout: ParallelLayout) -> None:
                              "strategy restores a checkpoint, so a resumed run would train without them. Give the "
                              "frozen layers their own parameter group in configure_optimizers, with a learning rate "
                              "that a scheduler holds at 0 until they thaw (LambdaLR takes one function per group)")
-        copies = layout.world_size // layout.data_parallel_size
+        copies = layout.processes_per_replica
         if isinstance(callback, ThroughputMonitor) and copies > 1:
             rank_zero_warn(f"ThroughputMonitor counts each of the {layout.world_size} processes as a data-parallel "
                            f"replica, but {copies} of them share each batch ({layout.data_parallel_size} replica(s)): "

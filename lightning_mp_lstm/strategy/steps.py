@@ -32,7 +32,6 @@ class PipelineSteps:
     precision_plugin: PipelinePrecision
     lightning_module: Any
     root_device: Any
-    world_size: int
     data_parallel_rank: int
     report: str
     _metrics: LanguageModelMetrics
@@ -89,7 +88,7 @@ class PipelineSteps:
 
     def _check_same_batch(self, batch: Any, where: str) -> None:
         """Where processes share each replica's batch (pipeline or tensor parallel), check that they loaded one."""
-        if self.world_size > self.engine.layout.data_parallel_size:
+        if self.engine.layout.processes_per_replica > 1:
             check_same_batch(batch, self.data_parallel_rank, where)
 
     @override

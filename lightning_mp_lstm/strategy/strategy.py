@@ -293,8 +293,8 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
                   datamodule, planned=self._plan is not None, fitting=fitting, device=device,
                   local_processes=self.num_processes)
         if self._engine_module is not model:  # the whole module, before pruning (each warning shows once)
-            split = self.layout.pipeline_parallel_size * self.layout.tensor_parallel_size > 1
-            report_not_reproduced(model, blocks, warn=self.global_rank == 0, split=split)
+            report_not_reproduced(model, blocks, warn=self.global_rank == 0,
+                                  split=self.layout.processes_per_replica > 1)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
