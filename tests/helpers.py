@@ -387,6 +387,48 @@ def run_command_and_leftovers(args: list[str], timeout: float, **env: str) -> tu
     return subprocess.CompletedProcess(args, proc.returncode, out, None), leftovers
 
 
+#: A ``sitecustomize`` module: registered before anything else, its exit handler runs last, just before the
+#: interpreter finalizes, and prints the script and the names of the process's threads still running then.
+_EXIT_PROBE = """import atexit, os, sys
+
+
+def _threads_at_exit():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            pass
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    sys.stderr.write(f"threads at exit: {script} {os.getpid()} {','.join(sorted(names))}\\n")
+    sys.stderr.flush()
+
+
+atexit.register(_threads_at_exit)
+"""
+
+
+def exit_thread_probe(folder: Path) -> dict[str, str]:
+    """The environment (for :func:`run_command` / :func:`start_command`) under which every Python process of a command
+    prints, as its very last exit handler, ``threads at exit: <script> <pid> <thread names>`` (Linux ``/proc``);
+    :func:`threads_at_exit` reads them back."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_EXIT_PROBE)
+    return {"PYTHONPATH": str(folder)}
+
+
+def threads_at_exit(output: str, script: str) -> dict[int, list[str]]:
+    """The threads each process of ``script`` (``train.py``) ran at its exit, by pid (:func:`exit_thread_probe`)."""
+    found = {}
+    for line in output.splitlines():
+        if line.startswith("threads at exit: "):
+            name, pid, threads = (line.split(" ", 5)[3:] + [""])[:3]
+            if name == script:
+                found[int(pid)] = threads.split(",") if threads else []
+    return found
+
+
 # ----- what a run left where -------------------------------------------------------------------------------
 class RecordBlockDevices(pl.Callback):
     """Records on which devices each block's parameters are when the Trainer sets up (before the strategy's

@@ -22,7 +22,17 @@ from lightning_mp_lstm.app.training import (
     metric_value,
     train,
 )
-from tests.helpers import ONE_PROCESS, ROOT, SMALL_SYNTHETIC, TINY_RUN, free_port, run_command, start_command
+from tests.helpers import (
+    ONE_PROCESS,
+    ROOT,
+    SMALL_SYNTHETIC,
+    TINY_RUN,
+    exit_thread_probe,
+    free_port,
+    run_command,
+    start_command,
+    threads_at_exit,
+)
 
 TINY = [*TINY_RUN, *SMALL_SYNTHETIC]
 IN_PROCESS = [*TINY, ONE_PROCESS]
@@ -152,10 +162,20 @@ def test_train_on_ptb_files(tmp_path, ptb):
 def test_train_py_launches_a_two_stage_pipeline(tmp_path):
     """`python train.py layout=pp2` starts rank 1 itself through Lightning's launcher (Hydra-aware)."""
     args = [sys.executable, "train.py", "layout=pp2", *TINY, f"hydra.run.dir={tmp_path}/run"]
-    result = run_command(args, timeout=220)
+    result = run_command(args, timeout=220, **exit_thread_probe(tmp_path / "probe"))
     assert result.returncode == 0, result.stdout[-4000:]
     assert result.stdout.count("validation perplexity") == 1  # the table is printed by rank 0 only
     assert "embedding, lstm.0" in result.stdout  # the partition report
+    _assert_no_process_group_threads_at_exit(result.stdout, processes=2)
+
+
+def _assert_no_process_group_threads_at_exit(output: str, processes: int) -> None:
+    """Every rank destroyed its process groups before the interpreter finalized: none of gloo's threads (its workers
+    ``pt_gloo_runloop``, its transport's ``gloo_tcp_loop``) was left then (a gloo worker still running can abort the
+    process, pytorch/pytorch#190489)."""
+    threads = threads_at_exit(output, "train.py")
+    assert len(threads) == processes, output[-3000:]
+    assert not [name for names in threads.values() for name in names if "gloo" in name], threads
 
 
 @pytest.mark.timeout(240)
@@ -168,7 +188,7 @@ def test_two_node_torchrun_on_localhost(tmp_path):
     for node in (0, 1):
         args = [*common, f"--node_rank={node}", "train.py", "layout=pp2", "trainer.num_nodes=2", *TINY,
                 f"hydra.run.dir={tmp_path}/node{node}"]
-        procs.append(start_command(args))
+        procs.append(start_command(args, **exit_thread_probe(tmp_path / "probe")))
     outputs = []
     try:
         for proc in procs:
@@ -179,3 +199,5 @@ def test_two_node_torchrun_on_localhost(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert "validation perplexity" in outputs[0] and "validation perplexity" not in outputs[1]
+    for output in outputs:
+        _assert_no_process_group_threads_at_exit(output, processes=1)

@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["PeerDirectory", "describe", "everywhere", "gather", "looks_like_lost_peer", "object_group",
-           "point_to_point_group", "result_from", "setup_object_group"]
+__all__ = ["PeerDirectory", "describe", "everywhere", "forget_object_groups", "gather", "looks_like_lost_peer",
+           "object_group", "point_to_point_group", "result_from", "setup_object_group"]
 
 T = TypeVar("T")
 
@@ -63,6 +63,12 @@ def setup_object_group() -> None:
     gloo = dist.get_backend() == "gloo"
     _OBJECT_GROUP["group"] = None if gloo else dist.new_group(backend="gloo")
     _OBJECT_GROUP["point_to_point"] = dist.new_group(backend="gloo")
+
+
+def forget_object_groups() -> None:
+    """Drop the references to the groups :func:`setup_object_group` made (once the process groups are destroyed: a
+    group's worker threads end when the last reference to it goes)."""
+    _OBJECT_GROUP.update(group=None, point_to_point=None)
 
 
 def object_group() -> dist.ProcessGroup | None:

@@ -20,12 +20,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd, _ChildProcessObserver
 from lightning.fabric.utilities.rank_zero import _get_rank, rank_prefixed_message
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
+
+from lightning_mp_lstm.strategy.pipeline_setup import end_process_groups
 
 __all__ = ["JobLauncher", "hydra_job_command", "hydra_quote"]
 
@@ -200,8 +201,8 @@ class JobLauncher(_SubprocessScriptLauncher):
            at most ``release_timeout`` seconds (``failed_release_timeout`` after a failed launch,
            ``stopped_release_timeout`` after :meth:`stop_watching`); kill those still running and warn, as also
            about children that ended with an error (unless the ranks stopped together).
-        2. Destroy the default process group (and with it the mesh's sub-groups): Lightning does not initialize
-           a group when one exists, and the device mesh checks its size against the old one.
+        2. Destroy the process groups (``pipeline_setup.end_process_groups``): Lightning does not initialize a
+           group when one exists, and the device mesh checks its size against the old one.
         3. Restore ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
            ``OMP_NUM_THREADS`` (removing those that were unset) and torch's thread count: with ``LOCAL_RANK``
            set, Lightning takes the next job's processes as launched from outside and spawns none.
@@ -240,8 +241,7 @@ class JobLauncher(_SubprocessScriptLauncher):
                 rank_prefixed_message(f"Child process with PID {pid} terminated with code {code}.", rank)
                 for rank, pid, code in failed
             ), RuntimeWarning, stacklevel=2)
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_groups()
         if self._saved_env is not None:
             for key, value in self._saved_env.items():
                 if value is None:

@@ -3,13 +3,16 @@ strategy's setup, one function each. The strategy calls them; they know nothing 
 
 from __future__ import annotations
 
+import atexit
 import copy
+import gc
 import warnings
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
 from lightning.pytorch import callbacks as lightning_callbacks
@@ -24,7 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_mp_lstm.base.faults import PeerDirectory, setup_object_group
+from lightning_mp_lstm.base.faults import PeerDirectory, forget_object_groups, setup_object_group
 from lightning_mp_lstm.models.binding import bind
 from lightning_mp_lstm.models.contract import PipelineModel, check_data
 from lightning_mp_lstm.models.declaration import ModelDeclarationError
@@ -37,8 +40,8 @@ from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions, make_plan
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.precision import REFUSED_PRECISIONS
 
-__all__ = ["assemble_engine", "check_automatic_optimization", "check_callbacks", "check_run", "make_verifier",
-           "plan_run", "replica_rows", "report_not_reproduced", "start_process_groups"]
+__all__ = ["assemble_engine", "check_automatic_optimization", "check_callbacks", "check_run", "end_process_groups",
+           "make_verifier", "plan_run", "replica_rows", "report_not_reproduced", "start_process_groups"]
 
 DEFAULT_ROWS = 32  # the batch assumed for planning when the data module does not say its own
 DEFAULT_LENGTH = 35
@@ -127,7 +130,21 @@ def start_process_groups(
     if not _distributed_is_initialized():
         return mesh, None
     setup_object_group()
+    atexit.unregister(end_process_groups)  # once, however many jobs this process runs
+    atexit.register(end_process_groups)
     return mesh, PeerDirectory.gather()
+
+
+def end_process_groups() -> None:
+    """Destroy every process group and drop this library's references to them, so that their worker threads end
+    while the interpreter is still whole: at the end of a job (``JobLauncher.release``) and at the process's exit.
+    A gloo worker still releasing a finished operation's tensors when the interpreter finalizes aborts the process
+    ("terminate called without an active exception", pytorch/pytorch#190489); Lightning destroys only nccl groups at
+    exit."""
+    forget_object_groups()
+    if _distributed_is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # the engine's groups, held in reference cycles of the finished Trainer
 
 
 def replica_rows(datamodule: Any, layout: ParallelLayout) -> int:
