@@ -165,6 +165,22 @@ class FixedBatches(pl.LightningDataModule):
         return self._shard(self.val)
 
 
+class GlobalBatches(FixedBatches):
+    """:class:`FixedBatches` as a user's own data gives them: every replica's loader yields the whole global batch
+    (the strategy takes each replica's rows)."""
+
+    shards_data_parallel = False
+
+    def _shard(self, batches: list) -> DataLoader:
+        return DataLoader(list(batches), batch_size=None)
+
+
+def replica_share(predictions: list[dict], replica: int, replicas: int) -> list[dict]:
+    """Replica ``replica``'s rows of every batch of ``predictions`` (one process's), the contiguous share
+    :class:`FixedBatches` gives it: what each rank of that replica predicts."""
+    return [{key: value.tensor_split(replicas)[replica] for key, value in batch.items()} for batch in predictions]
+
+
 def tiny_model(num_layers: int = 2, vocab: int = VOCAB, seed: int | None = 0, **kwargs: Any) -> LSTMLanguageModel:
     """The tests' LSTM language model: embedding 6, hidden 8, seeded (``torch.manual_seed``, every device's
     generator; ``seed=None``: the caller seeded)."""

@@ -7,6 +7,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.data import LMDataModule
@@ -56,3 +57,52 @@ def test_data_parallel_equals_single_process(reference, kwargs):
         for name, ref in reference["params"].items():
             assert rel_error(r["params"][name], ref) < 1e-5, name
         assert r["val"] == pytest.approx(reference["val"], rel=1e-5)
+
+
+class _RowsBySentence(BasePredictionWriter):
+    """Keeps what a prediction writer pairs up: each sentence index Lightning names (``batch_indices``) with the
+    prediction row at its place, as the log-probabilities of its real tokens."""
+
+    def __init__(self) -> None:
+        super().__init__("batch")
+        self.rows: dict[int, list[float]] = {}
+        self.misaligned: list[tuple[int, int]] = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        if len(batch_indices) != prediction["mask"].shape[0]:
+            self.misaligned.append((len(batch_indices), int(prediction["mask"].shape[0])))
+        for index, log_probs, mask in zip(batch_indices, prediction["log_probs"], prediction["mask"], strict=False):
+            self.rows[int(index)] = log_probs[mask].tolist()
+
+
+def _predict(strategy, devices: int) -> dict:
+    warnings.filterwarnings("ignore")
+    data = LMDataModule(synthetic=SYNTHETIC, buckets=[16, 32, 60], batch_size=16)
+    data.setup("fit")
+    torch.manual_seed(0)
+    model = LSTMLanguageModel(data.vocab_size, embedding_dim=8, hidden_size=8, num_layers=2)
+    writer = _RowsBySentence()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, callbacks=[writer],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.predict(model, datamodule=data, return_predictions=False)
+    return {"rows": writer.rows, "misaligned": writer.misaligned}
+
+
+def _predict_worker(rank: int, world_size: int) -> dict:
+    return _predict(MPLSTMStrategy(data_parallel_size=2, n_microbatches=1), world_size)
+
+
+@pytest.mark.timeout(180)
+def test_a_prediction_writer_pairs_every_sentence_with_its_own_prediction_on_dp2():
+    """Each replica loads its own share of a prediction batch (``LMDataModule``): its ranks get that share's
+    predictions, so Lightning's ``batch_indices`` name the rows a writer receives, as under DDP; every sentence's
+    prediction equals the plain module's in one process."""
+    torch.set_num_threads(1)
+    reference = _predict("auto", 1)["rows"]
+    results = run_ranks(_predict_worker, 2, timeout=160)
+    assert [r["misaligned"] for r in results] == [[], []]
+    assert len(reference) == SYNTHETIC["num_test"]
+    assert set(results[0]["rows"]) | set(results[1]["rows"]) == set(reference)
+    for result in results:
+        for index, log_probs in result["rows"].items():
+            assert log_probs == pytest.approx(reference[index], rel=1e-5, abs=1e-6), index

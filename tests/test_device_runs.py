@@ -44,7 +44,7 @@ from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.planning.layout import MESH_DIMS
 from lightning_mp_lstm.strategy import pipeline_setup
 from lightning_mp_lstm.timeline import PipelineTimeline
-from tests.helpers import FixedBatches, run_ranks, tiny_model
+from tests.helpers import FixedBatches, GlobalBatches, run_ranks, tiny_model
 
 LIBRARY = Path(lightning_mp_lstm.__file__).resolve().parent
 TORCH = Path(torch.__file__).resolve().parent
@@ -216,7 +216,7 @@ def _run(name: str, world_size: int, directory: str) -> dict[str, Any]:
         with NewGroups() as later:  # every group exists after the first fit
             trainer.fit(model, datamodule=data)  # max_steps reached: sets up again, trains nothing
             trainer.validate(model, datamodule=data, verbose=False)
-            predictions = trainer.predict(model, datamodule=data)
+            predictions = trainer.predict(model, datamodule=GlobalBatches())  # every replica gathers the others' rows
             trainer.save_checkpoint(Path(directory) / f"{name}.ckpt")
     result = {"tripwire": tripwire.found, "objects": traffic.calls, "steps": trainer.global_step,
               "later_groups": later.calls, "tied_groups": len(strategy.engine.tied.shared),

@@ -15,7 +15,15 @@ from lightning.pytorch.tuner import Tuner
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
-from tests.helpers import VOCAB, FixedBatches, ValLosses, assert_same_predictions, rel_error, run_ranks
+from tests.helpers import (
+    VOCAB,
+    FixedBatches,
+    GlobalBatches,
+    ValLosses,
+    assert_same_predictions,
+    rel_error,
+    run_ranks,
+)
 
 EPOCHS, BATCHES, ACCUMULATE = 2, 4, 2
 LR_FIND_LENGTHS, LR_FIND_STEPS = (5, 9, 7, 5) * 4, 16  # the suggestion skips the first 10 and the last
@@ -138,9 +146,9 @@ def _runs(strategy, devices: int, predict_only: bool = False, root: str | None =
         trainer = _trainer(strategy(), devices, [Timer(duration={"seconds": 1})], max_epochs=10_000)
         trainer.fit(_model(), datamodule=FixedBatches())
         out["stopping"]["timer_step"] = trainer.global_step
-    # Prediction with the untrained model.
+    # Prediction with the untrained model, of global batches (as a user's DataLoader gives them).
     trainer = _trainer(strategy(), devices)
-    out["predict"] = trainer.predict(_model(), datamodule=FixedBatches())
+    out["predict"] = trainer.predict(_model(), datamodule=GlobalBatches())
     return out
 
 
@@ -269,7 +277,7 @@ def test_predict_on_pp2_equals_one_process(pp2, reference):
 
 
 @pytest.mark.timeout(200)
-def test_predict_on_dp2_pp2_gives_the_global_batch_on_every_rank(reference):
+def test_predict_on_dp2_pp2_of_global_batches_gives_the_global_batch_on_every_rank(reference):
     results = run_ranks(_worker, 4, {"data_parallel_size": 2, "schedule": "GPipe", "n_microbatches": 2}, True,
                         timeout=150)
     for result in results:

@@ -14,6 +14,7 @@ from tests.helpers import (
     assert_same_predictions,
     parameters_of,
     quiet_trainer,
+    replica_share,
     run_ranks,
     tiny_model,
 )
@@ -44,7 +45,8 @@ def _fit(strategy, devices: int, optimizer: str) -> dict:
     params = parameters_of(model)
     validated = trainer.validate(model, datamodule=_data(), verbose=False)
     predictions = trainer.predict(model, datamodule=_data())
-    return {"metrics": metrics, "params": params, "validate": validated, "predict": predictions,
+    replica = (trainer.strategy.data_parallel_rank, fitted_layout.data_parallel_size) if devices > 1 else (0, 1)
+    return {"metrics": metrics, "params": params, "validate": validated, "predict": predictions, "replica": replica,
             "steps": trainer.global_step, "fitted_layout": fitted_layout, "fingerprint": fingerprint,
             "layout_after_predict": getattr(trainer.strategy, "layout", None) if devices > 1 else None}
 
@@ -61,8 +63,8 @@ def _compare(results: list[dict], reference: dict) -> None:
         for key in ("train/loss", "val/loss", "val/ppl"):
             assert r["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5), (rank, key)
         assert r["validate"][0]["val/loss"] == pytest.approx(reference["validate"][0]["val/loss"], rel=1e-5)
-        # Every rank of every replica returns the predictions of the whole global batch.
-        assert_same_predictions(r["predict"], reference["predict"])
+        # Each replica was given its share of every batch: each of its ranks returns that share's predictions.
+        assert_same_predictions(r["predict"], replica_share(reference["predict"], *r["replica"]))
 
 
 @pytest.fixture(scope="module")

@@ -184,8 +184,10 @@ class PipelineEngine:
             return self._run(batch, "eval", 1)
 
     def predict(self, batch: Any) -> dict[str, torch.Tensor]:
-        """The model's predictions of a batch, identical on every rank; with several replicas the replicas'
-        shares are gathered in replica order (global rank 0 holds the whole global batch)."""
+        """The model's predictions of a batch, identical on every rank of a replica's pipeline and row for row the
+        batch Lightning gave this process (what its ``batch_indices`` name): with several replicas given the whole
+        global batch (:attr:`global_batches`), every replica's share, gathered in replica order; given its own share
+        (``LMDataModule``), this replica's, as under DDP."""
         self.flush()
         inputs, targets, rows = self.prepare(batch)
         self._set_mode(train=False)
@@ -195,7 +197,7 @@ class PipelineEngine:
         result = self.model.predictions(logits, targets) if self.has_last_stage and logits is not None else None
         result = predictions.from_last_stage(result, self.groups.pipeline, self._last_stage_rank, self.device)
         result = {k: v[:rows] for k, v in result.items()}
-        if _shared(self.groups.data_parallel):
+        if self.global_batches and _shared(self.groups.data_parallel):
             result = predictions.gather_replicas(result, self.layout, self.device)
         restore = getattr(self.model, "restore_layout", None)
         return restore(result) if restore is not None else result

@@ -1,5 +1,5 @@
-"""A prediction batch's results on every rank: the last stage's predictions broadcast over its pipeline, then every
-replica's share gathered in replica order."""
+"""A prediction batch's results on every rank: the last stage's predictions broadcast over its pipeline, then, where
+every replica was given the whole global batch, every replica's share gathered in replica order."""
 
 from __future__ import annotations
 

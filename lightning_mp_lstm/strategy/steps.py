@@ -72,7 +72,8 @@ class PipelineSteps:
     @override
     def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         """The model's predictions of the batch (for a language model: per-token target log-probabilities,
-        next-token ids and the target mask), identical on every rank."""
+        next-token ids and the target mask), identical on every rank of a replica and row for row the batch Lightning
+        gave this process (:meth:`~lightning_mp_lstm.pipeline.engine.PipelineEngine.predict`)."""
         with self.precision_plugin.predict_step_context():
             return self.engine.predict(batch)
 
