@@ -7,6 +7,7 @@ difference when it is put back."""
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 
@@ -409,6 +410,24 @@ def test_a_check_the_step_raises_is_named():
     (message,) = _check(StopsOnALargeLoss())
     assert "the step raises RuntimeError (_check, line" in message and "a check the pipeline never makes" in message
     assert "on_train_batch_end: outputs['loss']" in message
+
+
+class ReturnsMore(CharRNN):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+
+        def inner():  # a function of its own: its return is not the step's
+            return {"not_the_step": 0}
+
+        inner()
+        return {"loss": loss, "tokens": batch[1].numel(), "hidden": None}
+
+
+def test_what_the_step_returns_beside_the_loss_is_named():
+    """Lightning hands a step's returned dict to on_train_batch_end as outputs; the pipeline's outputs hold the loss."""
+    (message,) = _check(ReturnsMore())
+    assert re.search(r"training_step, line \d+, returns 'hidden', 'tokens' beside 'loss'", message)
+    assert "the pipeline's outputs hold the loss alone" in message and "not_the_step" not in message
 
 
 class ClipsInAHook(CharRNN):

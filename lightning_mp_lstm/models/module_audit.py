@@ -236,7 +236,7 @@ def audit(module: nn.Module, declaration: Any, pipeline_metrics: Iterable[str] =
         for name, where in sorted(step.carried.items()):
             findings.append(Finding(f"self.{name} is kept across batches and fed back to the model ({where}): "
                                     "state carried across batches", "declare carry_state=True"))
-    findings += _loss_findings(step, d)
+    findings += _loss_findings(step, d) + _output_findings(cls)
     for name, where in sorted(step.raised.items()):
         if name not in pieces.raised:
             findings.append(Finding(f"the step raises {name} ({where}), a check the pipeline never makes",
@@ -299,6 +299,35 @@ def _terms(cls: type, hooks: dict[str, str]) -> set[str]:
 
 def _declares_dropout(declaration: Any) -> bool:
     return any(value not in (None, 0, 0.0) for value in (declaration.dropout, declaration.layer_dropout))
+
+
+def _output_findings(cls: type) -> list[Finding]:
+    """The keys besides ``loss`` of the dicts ``training_step`` itself returns: Lightning hands them to
+    ``on_train_batch_end`` as ``outputs``, where the pipeline's step returns the loss alone."""
+    try:
+        function = cls.training_step
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return []  # read_methods reports it unread
+    offset = function.__code__.co_firstlineno - 1
+    extra: dict[str, int] = {}
+    pending = list(ast.iter_child_nodes(tree.body[0])) if tree.body else []
+    while pending:  # the method's own returns, not those of functions defined inside it
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Dict):
+            for key in node.value.keys:
+                if isinstance(key, ast.Constant) and key.value != "loss":
+                    extra.setdefault(str(key.value), node.lineno + offset)
+        pending.extend(ast.iter_child_nodes(node))
+    if not extra:
+        return []
+    keys = ", ".join(repr(k) for k in sorted(extra))
+    return [Finding(f"training_step, line {min(extra.values())}, returns {keys} beside 'loss', which Lightning hands "
+                    "to on_train_batch_end as outputs: the pipeline's outputs hold the loss alone",
+                    "compute them in on_train_batch_end from the batch and outputs['loss'], or in a method the "
+                    "declaration names")]
 
 
 def _loss_findings(step: StepSource, d: Any) -> list[Finding]:

@@ -120,7 +120,8 @@ def start_process_groups(
     environment: ClusterEnvironment, backend: str, device: torch.device, layout: ParallelLayout, timeout: timedelta,
 ) -> tuple[DeviceMesh, PeerDirectory | None]:
     """Start the default process group (Lightning's ``_init_dist_connection``; a no-op when it runs already), the
-    layout's device mesh, the gloo object group and the directory of peers (for naming a lost rank).
+    layout's device mesh, the gloo object group and the directory of peers (for naming a lost rank); register
+    :func:`end_process_groups` to run at the process's exit.
 
     Returns:
         The mesh, and the peers (``None`` when no process group runs: a one-process mesh has no collectives).
