@@ -430,6 +430,19 @@ def test_what_the_step_returns_beside_the_loss_is_named():
     assert "the pipeline's outputs hold the loss alone" in message and "not_the_step" not in message
 
 
+class BackwardOfItsOwn(CharRNN):
+    def backward(self, loss, *args, **kwargs):
+        (loss * 2).backward()
+
+
+def test_a_backward_of_the_modules_own_is_named():
+    """Lightning's backward calls the module's; under the pipeline the schedule computes the gradients."""
+    (message,) = _check(BackwardOfItsOwn())
+    assert re.search(r"BackwardOfItsOwn.backward \(backward, line \d+\) is not called: the pipeline runs the "
+                     r"backward pass in its schedule", message), message
+    assert "on_after_backward" in message
+
+
 class ClipsInAHook(CharRNN):
     def on_before_optimizer_step(self, optimizer):
         torch.nn.utils.clip_grad_norm_(self.parameters(), 0.25)

@@ -215,7 +215,7 @@ def audit(module: nn.Module, declaration: Any, pipeline_metrics: Iterable[str] =
             ``self.parameters()`` clips by a part's.
     """
     cls, d = type(module), declaration
-    findings = (_clip_findings(cls) if split else []) + _evaluation_findings(cls, d)
+    findings = (_clip_findings(cls) if split else []) + _backward_findings(cls) + _evaluation_findings(cls, d)
     if not hasattr(cls, "training_step") or _base_method(cls, "training_step"):
         return findings
     step = read_methods(cls, ["training_step"])
@@ -267,6 +267,18 @@ def _clip_findings(cls: type) -> list[Finding]:
     return [Finding(f"{call}(...) in {where} clips by the norm of this process's part of the model, not of the "
                     "whole model", fix)
             for call, where in sorted(hooks.calls.items()) if call in NORM_CLIPS]
+
+
+def _backward_findings(cls: type) -> list[Finding]:
+    """A ``backward`` of the module's own: the schedule runs the backward pass, and Lightning's call of
+    ``LightningModule.backward`` only adds the gradients it computed."""
+    if not callable(getattr(cls, "backward", None)) or _base_method(cls, "backward"):
+        return []
+    code = getattr(cls.backward, "__code__", None)
+    where = f"backward, line {code.co_firstlineno}" if code is not None else "backward"
+    return [Finding(f"{cls.__name__}.backward ({where}) is not called: the pipeline runs the backward pass in its "
+                    "schedule", "put what it adds to the loss in a method the declaration names (loss=..., "
+                    "penalty=...), and what it does to the gradients in on_after_backward")]
 
 
 def _evaluation_findings(cls: type, d: Any) -> list[Finding]:
