@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
 from lightning_mp_lstm import LSTMBlocks, ModelDeclarationError, MPLSTMStrategy
@@ -458,6 +459,21 @@ def test_a_clip_by_norm_in_a_hook_is_named_where_the_model_is_split():
     assert "clips by the norm of this process's part of the model, not of the whole model" in message
     assert "Trainer(gradient_clip_val=...)" in message
     assert _check(ClipsInAHook()) == []  # one stage holds the whole model: its own norm is the model's
+
+
+class LogsGradientNorms(CharRNN):
+    def on_before_optimizer_step(self, optimizer):
+        self.log_dict(grad_norm(self, norm_type=2))  # as Lightning's docs show it
+
+
+def test_a_gradient_norm_logged_in_a_hook_is_named_where_the_model_is_split():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MPLSTMStrategy(pipeline_parallel_size=2).check(LogsGradientNorms())
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, NotReproducedWarning)]
+    assert "grad_norm(...) in on_before_optimizer_step, line" in message
+    assert "a total norm it gives is not the whole model's" in message
+    assert _check(LogsGradientNorms()) == []  # one stage: its norms are the model's
 
 
 class ValidatesItsOwnWay(CharRNN):

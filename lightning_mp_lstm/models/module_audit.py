@@ -36,6 +36,8 @@ LOSS_CALLS = frozenset({"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLos
 _REDUCTION_OF = {"mean": "token_mean", "sum": "sum"}
 #: Calls that clip by the norm of the gradients they are given: under a split model, this process's part's.
 NORM_CLIPS = frozenset({"clip_grad_norm_", "clip_grad_norm", "clip_grads_with_norm_"})
+#: Calls that measure the norm of the gradients they are given (Lightning's ``grad_norm`` logs a total).
+NORM_READS = frozenset({"grad_norm", "get_total_norm"})
 #: The module's hooks that may change gradients before the optimizer steps.
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
 DOCS_PAGE = "docs/bring_your_own_model.md"
@@ -259,14 +261,20 @@ def audit(module: nn.Module, declaration: Any, pipeline_metrics: Iterable[str] =
 
 
 def _clip_findings(cls: type) -> list[Finding]:
-    """A clip by norm in the module's gradient hooks: each process would clip by its own part's norm."""
+    """A clip or a measure by norm in the module's gradient hooks: each process would clip by, or log, its own part's
+    norm."""
     hooks = read_methods(cls, list(GRADIENT_HOOKS))
     fix = ("clip with Trainer(gradient_clip_val=...), which the strategy applies with the whole model's norm (in "
            "configure_gradient_clipping: self.clip_gradients(optimizer, gradient_clip_val=..., "
            "gradient_clip_algorithm='norm'))")
+    reads = ("to log the whole model's norm, sum the parts' squared norms over the pipeline (and tensor-parallel) "
+             "group first: trainer.strategy.device_mesh['pipeline_parallel'].get_group()")
     return [Finding(f"{call}(...) in {where} clips by the norm of this process's part of the model, not of the "
                     "whole model", fix)
-            for call, where in sorted(hooks.calls.items()) if call in NORM_CLIPS]
+            for call, where in sorted(hooks.calls.items()) if call in NORM_CLIPS] + [
+            Finding(f"{call}(...) in {where} measures this process's part of the model: a total norm it gives is not "
+                    "the whole model's, and Lightning's loggers write global rank 0's part only", reads)
+            for call, where in sorted(hooks.calls.items()) if call in NORM_READS]
 
 
 def _backward_findings(cls: type) -> list[Finding]:
