@@ -476,6 +476,59 @@ def test_a_gradient_norm_logged_in_a_hook_is_named_where_the_model_is_split():
     assert _check(LogsGradientNorms()) == []  # one stage: its norms are the model's
 
 
+class LogsEpochMeans(CharRNN):
+    """Logs its training loss as lightning-hydra-template does: the epoch's mean, not each step."""
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self.decoder(self.rnn(self.encoder(inputs))[0])
+        loss = sum(F.cross_entropy(logits[:, t], targets[:, t]) for t in range(inputs.size(1)))
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+class TrainMetricsByEpoch(pl.Callback):
+    """``callback_metrics``' training values at the start of each epoch after the first and at the end."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, float]] = []
+
+    def _keep(self, trainer) -> None:
+        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train")})
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch > 0:
+            self._keep(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._keep(trainer)
+
+
+def _epoch_means(strategy, devices: int) -> list[dict[str, float]]:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model, metrics = LogsEpochMeans(), TrainMetricsByEpoch()
+    trainer = quiet_trainer(strategy, devices, [metrics], max_epochs=2, limit_val_batches=0)
+    trainer.fit(model, datamodule=TimeFirstStream(VOCAB, steps=STEPS, time_first=False))
+    return metrics.seen
+
+
+def _epoch_means_worker(rank: int, world_size: int) -> list[dict[str, float]]:
+    return _epoch_means(MPLSTMStrategy(**QUIET, pipeline_parallel_size=2, n_microbatches=2), world_size)
+
+
+@pytest.mark.timeout(200)
+def test_a_loss_the_step_logs_as_an_epoch_mean_is_logged_as_one():
+    """The pipeline logs the metrics it shares with the module's step with the step's on_step / on_epoch: a monitor
+    of the training loss reads the epoch's mean, as in one process (it read the last step's)."""
+    reference = _epoch_means("auto", 1)
+    assert [sorted(seen) for seen in reference] == [["train_loss"], ["train_loss"]]
+    for seen in run_ranks(_epoch_means_worker, 2, timeout=180):  # the strategy adds its speed: train_tokens_per_s_*
+        assert len(seen) == 2 and all("train_loss" in epoch for epoch in seen)
+        for got, expected in zip(seen, reference, strict=True):
+            assert got["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-5)
+
+
 class ValidatesItsOwnWay(CharRNN):
     def validation_step(self, batch, batch_idx):
         inputs, targets = batch

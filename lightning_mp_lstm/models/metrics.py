@@ -64,10 +64,15 @@ class LanguageModelMetrics:
             tokens_per_s_epoch, or a term's name).
         reduction: what the loss averages over (``"token_mean"``, ``"sequence_mean"``, ``"sum"``): evaluation
             batches are weighted by it, and perplexity is the exponential of the loss per target token.
+        train_flags: logged name -> ``on_step`` / ``on_epoch`` for the training loss and terms (a module's own
+            ``training_step`` logs them so: :func:`~lightning_mp_lstm.models.module_audit.training_log_flags`);
+            default: every step only.
     """
 
-    def __init__(self, name: str = "{split}/{metric}", reduction: str = "token_mean") -> None:
+    def __init__(self, name: str = "{split}/{metric}", reduction: str = "token_mean",
+                 train_flags: dict[str, dict[str, bool]] | None = None) -> None:
         self.name, self.reduction = name, reduction
+        self.train_flags = dict(train_flags or {})
         self._means: dict[tuple[str, str], Metric] = {}
         self._last_step: float | None = None
         self._tokens: torch.Tensor | None = None  # since the speed was last logged
@@ -100,9 +105,13 @@ class LanguageModelMetrics:
         """
         terms = terms or {}
         if split == "train":
-            module.log(self.name.format(split=split, metric="loss"), loss, prog_bar=True, batch_size=rows)
-            for term, value in terms.items():
-                module.log(self.name.format(split=split, metric=term), value, batch_size=rows)
+            for metric, value in (("loss", loss), *terms.items()):
+                name = self.name.format(split=split, metric=metric)
+                flags = self.train_flags.get(name, {})
+                # An epoch's mean weighs each step by its batch: the global batch's sequences, as one process counts
+                # them (read on the host only then).
+                size = int(weights[1]) if flags.get("on_epoch") and weights is not None else rows
+                module.log(name, value, prog_bar=metric == "loss", batch_size=size, **flags)
             self._log_speed(module, tokens)
             return
         sequences = weights[1] if weights is not None else torch.full((), rows, device=loss.device)

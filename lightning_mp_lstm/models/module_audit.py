@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["Finding", "NotReproducedWarning", "StepSource", "audit", "parameters_outside", "read_methods",
-           "render_findings"]
+           "render_findings", "training_log_flags"]
 
 #: Calls that draw random numbers (the last name of the called expression).
 RANDOM_CALLS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
@@ -73,6 +73,7 @@ class StepSource:
             -> where: state kept across batches.
         keywords: ``(call, keyword)`` -> literal value, for the loss calls.
         returned_keys: the literal keys of the dicts the methods return.
+        log_flags: for a metric logged under a literal name, the literal ``on_step`` / ``on_epoch`` it is logged with.
         raised: exceptions raised by name (``raise ValueError(...)`` -> ``ValueError``) -> where.
         unread: methods whose source could not be read.
     """
@@ -83,6 +84,7 @@ class StepSource:
     carried: dict[str, str] = field(default_factory=dict)
     keywords: dict[tuple[str, str], Any] = field(default_factory=dict)
     returned_keys: set[str] = field(default_factory=set)
+    log_flags: dict[str, dict[str, bool]] = field(default_factory=dict)
     raised: dict[str, str] = field(default_factory=dict)
     unread: list[str] = field(default_factory=list)
 
@@ -188,13 +190,27 @@ def _read_logged(node: ast.Call, where: str, found: StepSource) -> None:
     if not node.args:
         return
     first = node.args[0]
+    flags = {k.arg: k.value.value for k in node.keywords if k.arg in ("on_step", "on_epoch")
+             and isinstance(k.value, ast.Constant) and isinstance(k.value.value, bool)}
     if node.func.attr == "log":  # type: ignore[attr-defined]
-        found.logged.setdefault(str(first.value) if isinstance(first, ast.Constant) else "?", where)
+        names = [str(first.value) if isinstance(first, ast.Constant) else "?"]
     elif isinstance(first, ast.Dict):
-        for key in first.keys:
-            found.logged.setdefault(str(key.value) if isinstance(key, ast.Constant) else "?", where)
+        names = [str(key.value) if isinstance(key, ast.Constant) else "?" for key in first.keys]
     else:
-        found.logged.setdefault("?", where)
+        names = ["?"]
+    for name in names:
+        found.logged.setdefault(name, where)
+        if flags and name != "?":
+            found.log_flags.setdefault(name, flags)
+
+
+def training_log_flags(module: nn.Module) -> dict[str, dict[str, bool]]:
+    """The literal ``on_step`` / ``on_epoch`` of each metric ``module`` 's own ``training_step`` logs (the methods it
+    calls included), by name: the pipeline logs the metrics it shares with the step as the step does."""
+    cls = type(module)
+    if not callable(getattr(cls, "training_step", None)) or _base_method(cls, "training_step"):
+        return {}
+    return read_methods(cls, ["training_step"]).log_flags
 
 
 def parameters_outside(module: nn.Module, block_paths: Iterable[str]) -> list[str]:
