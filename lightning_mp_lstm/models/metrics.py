@@ -92,25 +92,31 @@ class LanguageModelMetrics:
         return metric
 
     def log(self, module: Any, split: str, loss: torch.Tensor, tokens: torch.Tensor, rows: int,
-            weights: torch.Tensor | None = None, terms: dict[str, torch.Tensor] | None = None) -> None:
+            weights: torch.Tensor | None = None, terms: dict[str, torch.Tensor] | None = None,
+            rows_are_global: bool = True) -> None:
         """Log a batch's loss ``loss`` over ``tokens`` target tokens (``rows`` sequences), and its named ``terms``.
 
-        Training: the loss and terms per step; tokens per second from the second step of an epoch, as
-        ``tokens_per_s_step`` (the tokens over the seconds since it was last logged) and ``tokens_per_s_epoch`` (the
-        mean of the epoch's steps), logged at Lightning's logging steps only (see the module's docstring).
-        Evaluation: the split's loss, terms and perplexity over all its batches, at the end of the epoch.
+        Training: the loss and terms per step (or as :attr:`train_flags` says); tokens per second from the second
+        step of an epoch, as ``tokens_per_s_step`` (the tokens over the seconds since it was last logged) and
+        ``tokens_per_s_epoch`` (the mean of the epoch's steps), logged at Lightning's logging steps only (see the
+        module's docstring). Evaluation: the split's loss, terms and perplexity over all its batches, at the end of
+        the epoch.
 
         Args:
+            rows: the batch's size as Lightning infers it (its first tensor's first dimension).
             weights: the global batch's ``[tokens, sequences]`` (``None``: ``tokens`` and ``rows``).
+            rows_are_global: ``rows`` is the global batch's (every replica given all of it); else a replica's share,
+                and an epoch's mean weighs each step by the global batch's sequences.
         """
         terms = terms or {}
         if split == "train":
             for metric, value in (("loss", loss), *terms.items()):
                 name = self.name.format(split=split, metric=metric)
                 flags = self.train_flags.get(name, {})
-                # An epoch's mean weighs each step by its batch: the global batch's sequences, as one process counts
-                # them (read on the host only then).
-                size = int(weights[1]) if flags.get("on_epoch") and weights is not None else rows
+                # An epoch's mean weighs each step by the global batch's size, as one process's Lightning infers it
+                # (a share's global count is read on the host only then).
+                share = flags.get("on_epoch") and not rows_are_global and weights is not None and weights.numel() > 1
+                size = int(weights[1]) if share else rows
                 module.log(name, value, prog_bar=metric == "loss", batch_size=size, **flags)
             self._log_speed(module, tokens)
             return

@@ -49,7 +49,8 @@ class PipelineSteps:
         self.engine.check_finite(result.loss, f"global step {trainer.global_step} (epoch {trainer.current_epoch}, "
                                               f"batch_idx {batch_idx})")
         self._metrics.log(self.lightning_module, "train", result.loss, result.tokens, _rows(batch), result.weights,
-                          result.terms)
+                          result.terms, rows_are_global=self.engine.global_batches
+                          or self.engine.layout.data_parallel_size == 1)
         return result.loss
 
     @override
