@@ -345,7 +345,8 @@ def _output_findings(cls: type) -> list[Finding]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError, IndentationError):
         return []  # read_methods reports it unread
-    offset = function.__code__.co_firstlineno - 1
+    code = getattr(function, "__code__", None)
+    offset = code.co_firstlineno - 1 if code is not None else 0
     extra: dict[str, int] = {}
     pending = list(ast.iter_child_nodes(tree.body[0])) if tree.body else []
     while pending:  # the method's own returns, not those of functions defined inside it
