@@ -201,10 +201,10 @@ def test_every_random_part_of_awd_lstm_runs_in_the_pipeline():
 
 
 # ----- never silent: what a declaration does not reproduce is named before training ----------------------------------
-def _check(model: pl.LightningModule) -> list[str]:
+def _check(model: pl.LightningModule, pipeline_parallel_size: int = 1) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        MPLSTMStrategy(pipeline_parallel_size=1).check(model)
+        MPLSTMStrategy(pipeline_parallel_size=pipeline_parallel_size).check(model)
     return [str(w.message) for w in caught if issubclass(w.category, NotReproducedWarning)]
 
 
@@ -451,10 +451,7 @@ class ClipsInAHook(CharRNN):
 
 def test_a_clip_by_norm_in_a_hook_is_named_where_the_model_is_split():
     """Each process would clip by its own part's norm (one process clips by the whole model's)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        MPLSTMStrategy(pipeline_parallel_size=2).check(ClipsInAHook())
-    (message,) = [str(w.message) for w in caught if issubclass(w.category, NotReproducedWarning)]
+    (message,) = _check(ClipsInAHook(), pipeline_parallel_size=2)
     assert "clip_grad_norm_(...) in on_before_optimizer_step, line" in message
     assert "clips by the norm of this process's part of the model, not of the whole model" in message
     assert "Trainer(gradient_clip_val=...)" in message
@@ -467,10 +464,7 @@ class LogsGradientNorms(CharRNN):
 
 
 def test_a_gradient_norm_logged_in_a_hook_is_named_where_the_model_is_split():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        MPLSTMStrategy(pipeline_parallel_size=2).check(LogsGradientNorms())
-    (message,) = [str(w.message) for w in caught if issubclass(w.category, NotReproducedWarning)]
+    (message,) = _check(LogsGradientNorms(), pipeline_parallel_size=2)
     assert "grad_norm(...) in on_before_optimizer_step, line" in message
     assert "a total norm it gives is not the whole model's" in message
     assert _check(LogsGradientNorms()) == []  # one stage: its norms are the model's
