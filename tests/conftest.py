@@ -25,6 +25,18 @@ def ptb() -> Path:
     return ptb_dir()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _token_cache_of_the_session(tmp_path_factory: pytest.TempPathFactory):
+    """File corpora opened without a ``cache_dir`` tokenize into a directory of this session, not into
+    ``~/.cache/lightning_mp_lstm`` (commands run as processes still use their config's ``data.cache_dir``)."""
+    from lightning_mp_lstm.data import token_store
+
+    default = token_store.DEFAULT_CACHE_DIR
+    token_store.DEFAULT_CACHE_DIR = str(tmp_path_factory.mktemp("token_cache"))
+    yield
+    token_store.DEFAULT_CACHE_DIR = default
+
+
 @pytest.fixture
 def compose_train(tmp_path: Path) -> Callable[..., DictConfig]:
     """Compose ``conf/train.yaml`` with overrides, the run directory (``paths.output_dir``) this test's ``tmp_path``."""

@@ -88,7 +88,7 @@ def test_ptb_directory_and_auto_buckets(ptb: Path, tmp_path: Path) -> None:
     assert LMDataModule(source="ptb", path=str(tmp_path), num_auto_buckets=None).num_auto_buckets == 5
     dm.setup()
     train = dm.dataset("train")
-    assert len(train.buckets) == 4 and train.buckets[-1] == max(len(s) for s in dm._sentences["train"])
+    assert len(train.buckets) == 4 and train.buckets[-1] == dm.longest_sentence()[0]
     assert all(b.inputs.numel() <= 1000 for b in dm.train_dataloader())
 
 

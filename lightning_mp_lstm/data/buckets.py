@@ -3,7 +3,8 @@
 A sentence's length in model tokens is ``len(sentence)`` (``<eos>`` included, see
 :mod:`lightning_mp_lstm.data.batch`). :func:`resolve_buckets` turns the ``buckets`` setting into sorted
 lengths (:func:`auto_buckets` chooses them to minimise the padding); :class:`BucketedDataset` pads every
-sentence to the smallest bucket that holds it and handles sentences longer than the largest bucket.
+sentence to the smallest bucket that holds it and handles sentences longer than the largest bucket, reading the
+sentences where they are (an :class:`~lightning_mp_lstm.data.encoded.EncodedSplit`, memory-mapped for a file corpus).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_mp_lstm.base.validation import check_positive_int
+from lightning_mp_lstm.data.encoded import EncodedSplit
 
 __all__ = ["LONG_SENTENCE_POLICIES", "OUTLIER_FACTOR", "BucketedDataset", "auto_buckets", "length_cap",
            "resolve_buckets"]
@@ -163,8 +165,16 @@ class BucketedDataset(Dataset):
     bucket (padded more), and a too-small largest bucket absorbs the next
     smaller one.
 
+    The sentences' ids are read where they are (an
+    :class:`~lightning_mp_lstm.data.encoded.EncodedSplit`, possibly
+    memory-mapped): lengths come from its offsets, and an example's slice is
+    cast to int64 when it is served. Pickling the dataset (a ``DataLoader``
+    worker started with ``spawn``) carries the split's path, not its ids.
+
     Args:
-        sentences: Encoded sentences, each ending with the ``<eos>`` id.
+        sentences: Encoded sentences, each ending with the ``<eos>`` id: an
+            :class:`~lightning_mp_lstm.data.encoded.EncodedSplit`, or
+            sequences of ids.
         buckets: Sorted bucket lengths, or ``None`` for one bucket of the
             longest sentence length.
         long_policy: ``"split"``, ``"truncate"`` or ``"drop"``.
@@ -182,7 +192,7 @@ class BucketedDataset(Dataset):
 
     def __init__(
         self,
-        sentences: Sequence[Sequence[int]],
+        sentences: EncodedSplit | Sequence[Sequence[int]],
         buckets: Sequence[int] | None = None,
         long_policy: str = "split",
         bos_id: int = 2,
@@ -192,17 +202,14 @@ class BucketedDataset(Dataset):
             raise ValueError(
                 f"unknown long-sentence policy {long_policy!r}; allowed: {', '.join(LONG_SENTENCE_POLICIES)}"
             )
-        lengths = np.fromiter((len(s) for s in sentences), dtype=np.int64, count=len(sentences))
+        split = sentences if isinstance(sentences, EncodedSplit) else EncodedSplit.from_sequences(sentences)
+        lengths = split.lengths()
         if lengths.size and lengths.min() < 1:
             raise ValueError("sentences must not be empty (each ends with <eos>)")
         self.buckets: list[int] = resolve_buckets(None if buckets is None else list(buckets), lengths)
         max_len = self.buckets[-1]
-        flat = (
-            np.concatenate([np.asarray(s, dtype=np.int64) for s in sentences])
-            if len(sentences)
-            else np.zeros(0, dtype=np.int64)
-        )
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(sentences) else lengths
+        flat = split.tokens
+        starts = np.asarray(split.offsets[:-1], dtype=np.int64)
 
         long_mask = lengths > max_len
         self.num_long = int(long_mask.sum())
@@ -211,7 +218,7 @@ class BucketedDataset(Dataset):
             log.warning(
                 "%d of %d sentences are longer than the largest bucket (%d tokens) and were %s",
                 self.num_long,
-                len(sentences),
+                len(split),
                 max_len,
                 action,
             )
@@ -222,12 +229,15 @@ class BucketedDataset(Dataset):
             piece_no = np.arange(sent_of.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
             off = starts[sent_of] + piece_no * max_len
             n = np.minimum(lengths[sent_of] - piece_no * max_len, max_len)
-            first = np.where(piece_no == 0, bos_id, flat[np.maximum(off - 1, 0)])
+            first = np.full(off.size, bos_id, dtype=np.int64)
+            later = np.flatnonzero(piece_no)
+            first[later] = flat[off[later] - 1]
         else:
             keep = ~long_mask if long_policy == "drop" else np.ones(lengths.size, dtype=bool)
             off = starts[keep]
             n = np.minimum(lengths[keep], max_len)
             first = np.full(off.size, bos_id, dtype=np.int64)
+        self._split = split
         self._flat = flat
         self._offsets = off.astype(np.int64)
         self._lengths = n.astype(np.int64)
@@ -235,6 +245,15 @@ class BucketedDataset(Dataset):
         bucket_arr = np.asarray(self.buckets)
         self.bucket_indices: np.ndarray = np.searchsorted(bucket_arr, self._lengths, side="left")
         self._enforce_min_bucket_size(min_bucket_size)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_flat"]  # the split's ids: the split pickles as its path when they are mapped
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._flat = self._split.tokens
 
     def _enforce_min_bucket_size(self, minimum: int) -> None:
         if minimum <= 1:
@@ -275,6 +294,5 @@ class BucketedDataset(Dataset):
         inputs = np.zeros(t, dtype=np.int64)
         targets[:n] = self._flat[o : o + n]
         inputs[0] = self._first[index]
-        inputs[1:n] = self._flat[o : o + n - 1]
+        inputs[1:n] = targets[: n - 1]
         return torch.from_numpy(inputs), torch.from_numpy(targets)
-

@@ -1,9 +1,9 @@
 """The Lightning data module for word-level language modelling with length buckets.
 
 :class:`LMDataModule` ties the data layer together for a trainer: it reads a corpus
-(:mod:`~lightning_mp_lstm.data.sources`), builds the vocabulary, the bucketed datasets or token streams, and
-hands the trainer sharded, resumable loaders (:mod:`~lightning_mp_lstm.data.loaders`); its checkpoint state is
-the vocabulary.
+(:mod:`~lightning_mp_lstm.data.sources`; files through the token store, :mod:`~lightning_mp_lstm.data.token_store`),
+builds the vocabulary, the bucketed datasets or token streams, and hands the trainer sharded, resumable loaders
+(:mod:`~lightning_mp_lstm.data.loaders`); its checkpoint state is the vocabulary.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mp_lstm.data import sources
 from lightning_mp_lstm.data.buckets import BucketedDataset, resolve_buckets
 from lightning_mp_lstm.data.corpus import SPLITS
 from lightning_mp_lstm.data.download import download_ptb
+from lightning_mp_lstm.data.encoded import EncodedSplit, unigram_perplexity
 from lightning_mp_lstm.data.loaders import STAGE_LOADERS, batch_sampler, data_parallel_layout, resumable_loader
 from lightning_mp_lstm.data.options import MODES, check_options
 from lightning_mp_lstm.data.sampler import BucketBatchSampler
-from lightning_mp_lstm.data.sources import SOURCES, file_sentences, ptb_download_dir, synthetic_sentences
+from lightning_mp_lstm.data.sources import SOURCES, Corpus, ptb_download_dir
 from lightning_mp_lstm.data.stream import TokenStream
 from lightning_mp_lstm.data.synthetic import SyntheticLanguage
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
@@ -70,7 +70,8 @@ class LMDataModule(pl.LightningDataModule):
         test: Explicit test file (overrides ``path``).
         download: ``source="ptb"`` only: download PTB into ``<cache_dir>/ptb`` in :meth:`prepare_data` (used when
             ``path`` is not given).
-        cache_dir: Cache root (default ``~/.cache/lightning_mp_lstm``).
+        cache_dir: Cache root (default ``~/.cache/lightning_mp_lstm``): PTB downloads and the token store of file
+            corpora (``<cache_dir>/tokens``, see :mod:`~lightning_mp_lstm.data.token_store`).
         synthetic: ``source="synthetic"`` only: :class:`~lightning_mp_lstm.data.synthetic.SyntheticLanguage`
             keyword arguments plus ``num_train``/``num_valid``/``num_test`` (defaults
             :data:`~lightning_mp_lstm.data.synthetic.DEFAULT_SPLIT_SIZES`); the language ``seed`` defaults to ``seed``.
@@ -159,10 +160,11 @@ class LMDataModule(pl.LightningDataModule):
         self.bptt = bptt
         self._streams: dict[tuple[str, int], TokenStream] = {}
 
-        self._sentences: dict[str, list[list[str]]] | None = None
+        self._corpus: Corpus | None = None
+        self._read = False  # every split read once (and logged)
         self._language: SyntheticLanguage | None = None
         self._vocab: Vocabulary | None = None
-        self._encoded: dict[str, list[list[int]]] = {}
+        self._encoded: dict[str, EncodedSplit] = {}
         self._datasets: dict[tuple[str, int], BucketedDataset] = {}
         self._bucket_lengths: list[int] | None = None
         self._unigram_ppl: float | None = None
@@ -181,18 +183,23 @@ class LMDataModule(pl.LightningDataModule):
         path = os.fspath(ptb_download_dir(self.cache_dir)) if self.path is None and self.download else self.path
         return path, self.train_path, self.valid_path, self.test_path
 
-    def _load_sentences(self) -> dict[str, list[list[str]]]:
-        if self.source == "synthetic":
-            self._language, sentences = synthetic_sentences(self.synthetic_options, self.seed)
-            return sentences
-        return file_sentences(self.source, *self._files(), single_file_for_all_splits=self.single_file_for_all_splits)
+    def _prepare(self) -> tuple[Corpus, Vocabulary]:
+        """The corpus (opened once) and the vocabulary (built from the training split unless one was restored)."""
+        if self._corpus is None:
+            if self.source == "synthetic":
+                self._corpus, self._language = Corpus.synthetic(self.synthetic_options, self.seed)
+            else:
+                self._corpus = Corpus.from_files(*self._files(), self.single_file_for_all_splits, self.cache_dir)
+        if self._vocab is None:
+            self._set_vocab(self._corpus.vocabulary(min_freq=self.min_freq, max_size=self.max_vocab_size))
+        assert self._vocab is not None
+        return self._corpus, self._vocab
 
     def longest_sentence(self) -> tuple[int, str]:
-        """The longest training sentence: its length in model tokens (``<eos>`` included) and where it is."""
+        """The longest training sentence: its length in model tokens (``<eos>`` included) and where it is (``line N
+        of <file>`` for a file corpus)."""
         self.setup()
-        files = None if self.source == "synthetic" else self._files()
-        train = self._sentences["train"]  # type: ignore[index]
-        return sources.longest_sentence(train, files, self.single_file_for_all_splits)
+        return self._encode("train").longest()
 
     # ------------------------------------------------------------------ setup
     @override
@@ -209,18 +216,13 @@ class LMDataModule(pl.LightningDataModule):
 
         Raises:
             ValueError: If a sampler of the stage cannot be built.
+            CorpusError: If a corpus file is missing, binary, not UTF-8 or empty.
         """
-        if self._sentences is None:
-            self._sentences = self._load_sentences()
-            log.info(
-                "corpus %s: %s sentences",
-                self.source,
-                ", ".join(f"{s}={len(v)}" for s, v in self._sentences.items()),
-            )
-        if self._vocab is None:
-            self._set_vocab(
-                Vocabulary.build(self._sentences["train"], min_freq=self.min_freq, max_size=self.max_vocab_size)
-            )
+        if not self._read:
+            self._prepare()
+            sizes = {split: len(self._encode(split)) for split in SPLITS}
+            log.info("corpus %s: %s sentences", self.source, ", ".join(f"{s}={n}" for s, n in sizes.items()))
+            self._read = True
         if getattr(self, "trainer", None) is not None and stage in STAGE_LOADERS:
             replicas = self._replicas()
             for split, train in STAGE_LOADERS[stage]:
@@ -245,18 +247,18 @@ class LMDataModule(pl.LightningDataModule):
         self._unigram_ppl = None
         self._checked_samplers.clear()
 
-    def _encode(self, split: str) -> list[list[int]]:
+    def _encode(self, split: str) -> EncodedSplit:
+        """``split`` encoded with the current vocabulary (memory-mapped from the token store for a file corpus)."""
         if split not in self._encoded:
-            self.setup()
-            assert self._sentences is not None and self._vocab is not None
-            self._encoded[split] = [self._vocab.encode(s) for s in self._sentences[split]]
+            corpus, vocab = self._prepare()
+            self._encoded[split] = corpus.encode(split, vocab)
         return self._encoded[split]
 
     def _buckets(self) -> list[int]:
         """Bucket lengths, derived from the training split for ``"auto"``/``None``."""
         if self._bucket_lengths is None:
             if self.buckets is None or isinstance(self.buckets, str):
-                lengths = [len(s) for s in self._encode("train")]
+                lengths = self._encode("train").lengths()
                 cap = self.max_bucket_length
                 self._bucket_lengths = resolve_buckets(self.buckets, lengths, self.num_auto_buckets, cap)
             else:
@@ -407,13 +409,7 @@ class LMDataModule(pl.LightningDataModule):
             if self._language is not None:
                 self._unigram_ppl = math.exp(self._language.unigram_entropy())
             else:
-                size = self.vocab_size
-                counts = np.bincount(np.concatenate([np.asarray(s) for s in self._encode("train")]), minlength=size)
-                counts = counts.astype(float) + 1.0
-                counts[0] = 0.0
-                logp = np.log(counts / counts.sum(), where=counts > 0, out=np.full(size, -np.inf))
-                valid = np.concatenate([np.asarray(s) for s in self._encode("valid")])
-                self._unigram_ppl = float(np.exp(-logp[valid].mean()))
+                self._unigram_ppl = unigram_perplexity(self._encode("train"), self._encode("valid"), self.vocab_size)
         return self._unigram_ppl
 
     # ------------------------------------------------------------ checkpoints
@@ -438,12 +434,12 @@ class LMDataModule(pl.LightningDataModule):
     def stats(self) -> dict[str, Any]:
         """Counts for logging: sentences per split, vocabulary size, buckets, long sentences."""
         self.setup()
-        assert self._sentences is not None
         for split in SPLITS:
             self.dataset(split)
+        encoded = {split: self._encode(split) for split in SPLITS}
         return {
-            "sentences": {s: len(v) for s, v in self._sentences.items()},
-            "tokens": {s: sum(map(len, v)) for s, v in self._sentences.items()},
+            "sentences": {s: len(v) for s, v in encoded.items()},
+            "tokens": {s: v.num_tokens for s, v in encoded.items()},
             "vocab_size": self.vocab_size,
             "buckets": self._buckets(),
             "long_sentences": dict(self.long_sentence_counts),

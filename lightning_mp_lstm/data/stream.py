@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_mp_lstm.base.validation import check_positive_int
+from lightning_mp_lstm.data.encoded import EncodedSplit
 
 __all__ = ["TokenStream"]
 
@@ -27,8 +28,12 @@ __all__ = ["TokenStream"]
 class TokenStream(Dataset):
     """Windows of a token stream cut into rows.
 
+    The stream ``[eos] + tokens`` is never built: position ``p > 0`` of it is ``tokens[p - 1]`` of the split
+    (possibly memory-mapped), and a window's slice is cast to int64 when it is served.
+
     Args:
-        sentences: encoded sentences, each ending with ``<eos>``.
+        sentences: encoded sentences, each ending with ``<eos>``: an
+            :class:`~lightning_mp_lstm.data.encoded.EncodedSplit`, or sequences of ids.
         eos_id: id of ``<eos>`` (the stream's first input).
         rows: number of contiguous rows (the global batch size).
         bptt: tokens per window (the last window of an epoch may be shorter).
@@ -38,25 +43,41 @@ class TokenStream(Dataset):
             ``rows`` rows.
     """
 
-    def __init__(self, sentences: Sequence[Sequence[int]], eos_id: int, rows: int, bptt: int) -> None:
+    def __init__(self, sentences: EncodedSplit | Sequence[Sequence[int]], eos_id: int, rows: int, bptt: int) -> None:
         check_positive_int("rows", rows)
         check_positive_int("bptt", bptt)
-        stream = np.concatenate([np.asarray([eos_id], dtype=np.int64),
-                                 *(np.asarray(s, dtype=np.int64) for s in sentences)])
-        columns = stream.size // rows
+        split = sentences if isinstance(sentences, EncodedSplit) else EncodedSplit.from_sequences(sentences)
+        size = 1 + split.num_tokens
+        columns = size // rows
         if columns < 2:
             raise ValueError(
-                f"the stream has {stream.size} tokens, too few for {rows} rows of at least 2 tokens; use a smaller "
+                f"the stream has {size} tokens, too few for {rows} rows of at least 2 tokens; use a smaller "
                 "batch size"
             )
         self.rows, self.bptt = rows, bptt
-        self.data = stream[: rows * columns].reshape(rows, columns)
+        self._split, self._eos_id, self._columns = split, int(eos_id), columns
         starts = range(0, columns - 1, bptt)
         #: Length of every window (tokens per row); the last may be shorter.
         self.buckets = [min(bptt, columns - 1 - start) for start in starts]
         self._starts = list(starts)
         #: The window ("bucket") of every example (``index = window * rows + row``).
         self.bucket_indices = np.repeat(np.arange(len(self.buckets)), rows)
+
+    @property
+    def data(self) -> np.ndarray:
+        """The stream as a ``(rows, columns)`` int64 matrix (made on each access: a copy of the split's ids, for
+        inspecting small streams; batches never use it)."""
+        return self._positions(0, self.rows * self._columns).reshape(self.rows, self._columns)
+
+    def _positions(self, start: int, count: int) -> np.ndarray:
+        """Positions ``start .. start + count - 1`` of the stream ``[eos] + tokens``, as int64."""
+        tokens = self._split.tokens
+        if start > 0:
+            return tokens[start - 1 : start - 1 + count].astype(np.int64)
+        out = np.empty(count, dtype=np.int64)
+        out[0] = self._eos_id
+        out[1:] = tokens[: count - 1]
+        return out
 
     def __len__(self) -> int:
         return int(self.bucket_indices.size)
@@ -65,7 +86,7 @@ class TokenStream(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         window, row = divmod(int(index), self.rows)
         start, length = self._starts[window], self.buckets[window]
-        tokens = torch.from_numpy(self.data[row, start : start + length + 1].copy())
+        tokens = torch.from_numpy(self._positions(row * self._columns + start, length + 1))
         return tokens[:-1], tokens[1:]
 
     @property

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lightning_mp_lstm.base.validation import check_positive_int
 
-__all__ = ["EOS", "PAD", "UNK", "Vocabulary"]
+__all__ = ["EOS", "PAD", "UNK", "Vocabulary", "check_vocabulary_options"]
 
 PAD = "<pad>"
 UNK = "<unk>"
@@ -69,15 +71,29 @@ class Vocabulary:
         Raises:
             ValueError: If ``min_freq`` is not a positive integer or ``max_size < 3``.
         """
-        check_positive_int("min_freq", min_freq)
-        if max_size is not None and max_size < len(_SPECIALS):
-            raise ValueError(f"max_size must be >= {len(_SPECIALS)} (the special tokens), got {max_size}")
         counts: Counter[str] = Counter()
         for sentence in sentences:
             counts.update(sentence)
-        for special in _SPECIALS:
-            counts.pop(special, None)
-        words = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
+        return cls.from_counts(counts, min_freq=min_freq, max_size=max_size)
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, int], min_freq: int = 1, max_size: int | None = None) -> Vocabulary:
+        """Build a vocabulary from word counts (of the training split): :meth:`build` without the sentences.
+
+        Args:
+            counts: Occurrences of every word; the special tokens' counts are ignored.
+            min_freq: Words counted fewer times become ``<unk>``.
+            max_size: Maximum total size *including* the 3 special tokens (``None``: unlimited).
+
+        Returns:
+            The vocabulary :meth:`build` gives for sentences with these counts.
+
+        Raises:
+            ValueError: If ``min_freq`` is not a positive integer or ``max_size < 3``.
+        """
+        check_vocabulary_options(min_freq, max_size)
+        words = sorted((w for w, c in counts.items() if c >= min_freq and w not in _SPECIALS),
+                       key=lambda w: (-counts[w], w))
         if max_size is not None:
             words = words[: max_size - len(_SPECIALS)]
         return cls([*_SPECIALS, *words])
@@ -101,6 +117,20 @@ class Vocabulary:
     def tokens(self) -> list[str]:
         """A copy of the id -> token table."""
         return list(self._itos)
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (hex) of the id -> token table: equal vocabularies, and only they, share it (the token store keys
+        a split encoded with this vocabulary by it)."""
+        if getattr(self, "_digest", None) is None:
+            table = json.dumps(self._itos, ensure_ascii=False).encode("utf-8", "surrogatepass")
+            self._digest = hashlib.sha256(table).hexdigest()
+        return self._digest
+
+    def ids(self) -> dict[str, int]:
+        """The token -> id table as a dict that answers ``unk_id`` for a word it lacks (``ids[word]``, without
+        the ``get`` call per token that :meth:`encode` makes: ``map(ids.__getitem__, words)`` runs in C)."""
+        return _Ids(self._stoi)
 
     def encode(self, tokens: Iterable[str]) -> list[int]:
         """Map tokens to ids, unknown tokens to ``unk_id``."""
@@ -138,6 +168,21 @@ class Vocabulary:
         if version != _STATE_VERSION:
             raise ValueError(f"unsupported vocabulary state version {version}")
         return cls(state["tokens"])
+
+
+def check_vocabulary_options(min_freq: int, max_size: int | None) -> None:
+    """Raise ``ValueError`` unless ``min_freq`` is a positive integer and ``max_size`` is ``None`` or at least 3 (the
+    special tokens), as :meth:`Vocabulary.build` needs."""
+    check_positive_int("min_freq", min_freq)
+    if max_size is not None and max_size < len(_SPECIALS):
+        raise ValueError(f"max_size must be >= {len(_SPECIALS)} (the special tokens), got {max_size}")
+
+
+class _Ids(dict):
+    """A token -> id dict whose missing words are ``<unk>``."""
+
+    def __missing__(self, token: str) -> int:
+        return Vocabulary.unk_id
 
 
 def vocabulary_difference(ours: Vocabulary, theirs: Vocabulary) -> str | None:
