@@ -150,7 +150,9 @@ def bare_loop(rank: int, steps: int, setup: Setup) -> dict[str, list[float]]:
     model = model_of(setup)
     blocks = pipeline_model(model)  # the model's blocks, as the strategy splits them
     blocks.keep_blocks(even_partition(blocks.block_names, 2)[stage_index])
-    stage_module = nn.Sequential(*[module for _, module in blocks.blocks()])
+    # The last stage's blocks end with the decoder's inputs (the strategy's loss decodes them): a hand-written loop
+    # applies the decoder in its stage.
+    stage_module = nn.Sequential(*[module for _, module in blocks.blocks()], *([model.decoder] if stage_index else []))
     stage = PipelineStage(Contiguous(stage_module), stage_index, 2, torch.device("cpu"), group=pipeline)
     divisor = torch.tensor(float(setup.rows * setup.length))
     schedule = get_schedule_class(setup.schedule)(

@@ -347,7 +347,8 @@ def test_the_bare_loop_clips_by_the_whole_models_norm_as_the_main_job_does():
     setup = overhead.Setup(vocab_size=50, embedding_dim=8, hidden_size=8, num_layers=2, rows=8, length=6,
                            microbatches=2, optimizer="adam", lr=0.005, clip=1e-3)
     first, second = (rank["norms"] for rank in run_ranks(main_job._bare_worker, 2, 2, setup, timeout=150))
-    whole = nn.Sequential(*[module for _, module in pipeline_model(overhead.model_of(setup)).blocks()])
+    model = overhead.model_of(setup)  # its blocks end with the decoder's inputs: the decoder applied after them
+    whole = nn.Sequential(*[module for _, module in pipeline_model(model).blocks()], model.decoder)
     inputs, targets = overhead.batches(1, setup)[0]
     (token_loss_sum(whole(inputs), targets) / (setup.rows * setup.length)).backward()
     expected = float(torch.nn.utils.get_total_norm([p.grad for p in whole.parameters()]))

@@ -363,7 +363,7 @@ def test_verify_names_state_carried_without_carry_state():
 
 def test_verify_names_a_float64_loss_computed_in_float32(monkeypatch):
     def float32_loss(logits, targets, ignore_index):
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index,
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index,
                                reduction="sum")
 
     model, data = CharRNN(), TimeFirstStream(VOCAB, time_first=False)
@@ -371,7 +371,7 @@ def test_verify_names_a_float64_loss_computed_in_float32(monkeypatch):
     trainer = quiet_trainer(strategy, 1, max_steps=1, limit_val_batches=0, precision="64-true")
     trainer.fit(model, datamodule=data)  # float64 end to end: equal to one process at 1e-10
     strategy.shutdown()
-    monkeypatch.setattr("lightning_mp_lstm.models.objective.token_cross_entropy", float32_loss)
+    monkeypatch.setattr("lightning_mp_lstm.models.decoded_loss.token_cross_entropy", float32_loss)
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, verify=True, **QUIET)
     trainer = quiet_trainer(strategy, 1, max_steps=1, limit_val_batches=0, precision="64-true")
     with pytest.raises(VerificationError, match=r"step 0 loss .* DIFFERS"):

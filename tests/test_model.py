@@ -37,9 +37,12 @@ def test_the_chain_of_blocks_is_the_models_forward():
     model = _model()
     tokens = torch.randint(1, 40, (3, 7))
     x = tokens
-    for _, block in pipeline_model(model).blocks():
+    blocks = pipeline_model(model)
+    for _, block in blocks.blocks():
         x = block(x)
-    torch.testing.assert_close(x, model(tokens)[0], rtol=0, atol=1e-6)
+    # The decoder block hands the loss its inputs (the loss decodes them a slice of tokens at a time).
+    torch.testing.assert_close(x, model.features(tokens)[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.decoder(x), model(tokens)[0], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("init_range", [0.1, None])
@@ -100,8 +103,8 @@ def test_contract_helpers():
     assert built.weight_hh.shape == original.shape and built.weight_hh is not original
     inputs, targets = blocks.pad_rows(torch.ones(3, 4, dtype=torch.long), torch.ones(3, 4, dtype=torch.long), 1)
     assert inputs.shape == (4, 4) and int(blocks.batch_weights(targets)[0]) == 12
-    logits = model(inputs)[0]
-    assert torch.equal(blocks.microbatch_loss(logits, targets), blocks.microbatch_loss(logits[:3], targets[:3]))
+    hidden = model.features(inputs)[0]  # what the decoder block gives the loss, which decodes it
+    assert torch.equal(blocks.microbatch_loss(hidden, targets), blocks.microbatch_loss(hidden[:3], targets[:3]))
     counts = blocks.analytic_costs("parameters", 2, 5)
     assert list(counts) == blocks.block_names and sum(counts.values()) == sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="unknown cost kind 'time'"):

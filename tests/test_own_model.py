@@ -229,7 +229,8 @@ def test_a_module_without_declaration_gets_one_message_with_the_fix():
      r"Declared has no submodule 'embed' \(declared as an nn.Embedding\); its submodules: \['drop', 'encoder'"),
     (dict(embedding="encoder", lstm="decoder", decoder="decoder"),
      r"LSTMBlocks.lstm='decoder' must be an nn.LSTM or an nn.ModuleList of one-layer LSTMs, got Linear"),
-    (dict(embedding="encoder", lstm="rnn", decoder="rnn"), r"'rnn' must be an nn.Linear, got LSTM"),
+    (dict(embedding="encoder", lstm="rnn", decoder="rnn"),
+     r"'rnn' must be an nn.Linear or an nn.AdaptiveLogSoftmaxWithLoss, got LSTM"),
     (dict(embedding="encoder", lstm="rnn", decoder="decoder", loss="mse"),
      r"LSTMBlocks.loss='mse': Declared has no method 'mse'; its own methods: \[.*'configure_pipeline'"),
 ])

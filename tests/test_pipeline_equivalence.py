@@ -23,7 +23,8 @@ def _compare_worker(rank: int, world_size: int, configs: list[dict]) -> list[dic
         cfg = dict(cfg)
         ragged = cfg.pop("ragged", False)  # rows not divisible by n_microbatches: padded with empty rows
         layout = ParallelLayout(**cfg)
-        module = tiny_model(num_layers=max(2, layout.num_stages - 1))
+        # The loss decodes slices of 4 tokens (a microbatch has 10 to 18): the reference's logits are whole.
+        module = tiny_model(num_layers=max(2, layout.num_stages - 1), loss_chunk_tokens=4)
         reference = copy.deepcopy(module)
         engine = cpu_engine(module, layout, rank)
         share = 2 * layout.n_microbatches - (1 if ragged else 0)
@@ -61,7 +62,7 @@ def _check(results_per_rank: list[list[dict]]) -> None:
     for rank_results in results_per_rank:
         for r in rank_results:
             assert r["params"] > 0, r
-            assert r["loss"] < 1e-5, r
+            assert r["loss"] < 1e-6, r
             assert r["grad"] < 1e-5, r
             assert r["eval"] < 1e-5, r
             assert [(length, mode) for _, length, mode in r["shapes"]] == [(5, "train"), (9, "train")], r

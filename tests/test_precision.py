@@ -27,7 +27,9 @@ def _fit(precision: str, world_size: int) -> dict:
                 return
             for stage in engine.stage_modules.values():
                 for name, block in zip(stage.block_names, stage.blocks, strict=True):
-                    block.register_forward_hook(
+                    # The decoder block hands its inputs to the loss, which runs the decoder itself: record that.
+                    hooked = block.decoder if name == "decoder" else block
+                    hooked.register_forward_hook(
                         lambda module, args, out, name=name: dtypes.setdefault(name, set()).add(str(out.dtype)))
 
     record = Record()

@@ -92,6 +92,8 @@ def without_autocast(x: torch.Tensor) -> Any:
     ``bf16-mixed``, bfloat16 under ``bf16-true``) while the vocabulary layers follow autocast.
     """
     device = x.device.type
+    if device == "meta":  # autocast has no meta device (a model's shapes being probed)
+        return nullcontext()
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else nullcontext()
 
 
@@ -265,16 +267,22 @@ class LSTMLayerBlock(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Vectors -> logits over the vocabulary (optionally after dropout, when no LSTM layer precedes it)."""
+    """Vectors -> logits over the vocabulary (optionally after dropout, when no LSTM layer precedes it).
 
-    def __init__(self, decoder: nn.Module, dropout: nn.Module | None = None) -> None:
+    With ``decodes_in_loss`` the block hands on its (dropped-out) inputs and the loss runs ``decoder`` on them a slice
+    of tokens at a time (:mod:`~lightning_mp_lstm.models.decoded_loss`); the decoder's parameters stay this block's.
+    """
+
+    def __init__(self, decoder: nn.Module, dropout: nn.Module | None = None, decodes_in_loss: bool = False) -> None:
         super().__init__()
         self.decoder = decoder
         self.dropout = dropout
+        self.decodes_in_loss = decodes_in_loss
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.dropout(x) if self.dropout is not None else x)
+        x = self.dropout(x) if self.dropout is not None else x
+        return x if self.decodes_in_loss else self.decoder(x)
 
 
 def dropout_module(value: nn.Module | float | None) -> nn.Module | None:

@@ -64,10 +64,12 @@ class PipelineModel(Protocol):
         """A batch starts: its global counts, the real (not padding) rows of each microbatch, and the batches
         accumulated per optimizer step (the pieces of the loss are divided by it too)."""
 
-    def microbatch_loss(self, outputs: torch.Tensor, targets: torch.Tensor, microbatch: int | None = None
-                        ) -> torch.Tensor:
+    def microbatch_loss(self, outputs: torch.Tensor, targets: torch.Tensor, microbatch: int | None = None,
+                        block: nn.Module | None = None) -> torch.Tensor:
         """Microbatch ``microbatch`` 's piece of the batch loss: the pieces of every microbatch, time chunk and replica
-        add up to the batch loss. ``None``: the microbatch's own loss, unscaled (for timing it)."""
+        add up to the batch loss. ``None``: the microbatch's own loss, unscaled (for timing it). ``block``: the last
+        block that gave ``outputs`` when it is a copy (:meth:`build_block`, ``probe_block``) rather than the model's
+        own, for a loss that uses the block's parameters."""
 
     def finish_batch(self) -> dict[str, torch.Tensor]:
         """This process's pieces since :meth:`start_batch`, summed and detached: ``{"loss": ...}`` and any named terms

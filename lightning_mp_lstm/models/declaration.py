@@ -93,6 +93,9 @@ class LSTMBlocks:
         init: ``init(block_name, module)`` sets a block's initial values when the module was built on the meta
             device (``trainer.init_module(empty_init=True)``); default: the module's ``reset_parameters()``, seeded
             per block. Not used for a module built normally.
+        loss_chunk_tokens: tokens per slice of the built-in loss, which runs the decoder itself a slice at a time so
+            that a batch's logits never exist whole (:mod:`~lightning_mp_lstm.models.decoded_loss`); ``None``: as many
+            as 64 MiB of logits hold.
         log_name: the names the strategy logs under; ``{split}`` is train/val/test, ``{metric}`` loss, ppl,
             tokens_per_s_step, tokens_per_s_epoch or a term of ``loss`` / ``penalty`` (``"{split}/{metric}"`` gives
             ``train/loss``).
@@ -112,6 +115,7 @@ class LSTMBlocks:
     time_first: bool = False
     carry_state: bool = False
     init: Callable[[str, nn.Module], None] | None = None
+    loss_chunk_tokens: int | None = None
     log_name: str = "{split}_{metric}"
 
     def __post_init__(self) -> None:
@@ -142,6 +146,10 @@ class LSTMBlocks:
             raise ModelDeclarationError(
                 f"LSTMBlocks.{unused[0]}={getattr(self, unused[0])!r} would never run: the declared embed/after_lstm "
                 "methods replace it; apply that dropout inside them")
+        chunk = self.loss_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ModelDeclarationError(f"LSTMBlocks.loss_chunk_tokens must be a positive integer or None, got "
+                                        f"{chunk!r}")
         if "{split}" not in self.log_name or "{metric}" not in self.log_name:
             raise ModelDeclarationError(f"LSTMBlocks.log_name must contain {{split}} and {{metric}}, got "
                                         f"{self.log_name!r}")

@@ -9,10 +9,8 @@ included), carried ``(h, c)`` per microbatch, and the vocabulary-parallel split 
 
 from __future__ import annotations
 
-import copy
-import zlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_mp_lstm.models import costs
 from lightning_mp_lstm.models.batch_layout import check_time_axis, rows_first
+from lightning_mp_lstm.models.block_copies import BlockCopies
 from lightning_mp_lstm.models.blocks import (
     DecoderBlock,
     EmbeddingBlock,
@@ -33,7 +32,16 @@ from lightning_mp_lstm.models.blocks import (
 )
 from lightning_mp_lstm.models.carried_state import CarriedState
 from lightning_mp_lstm.models.declaration import LSTMBlocks, ModelDeclarationError
+from lightning_mp_lstm.models.decoded_loss import (
+    adaptive_clusters,
+    chunk_tokens,
+    decoded_predictions,
+    decoder_sizes,
+    is_adaptive,
+    logits_per_token,
+)
 from lightning_mp_lstm.models.objective import Objective
+from lightning_mp_lstm.models.shapes import meta_copy
 from lightning_mp_lstm.models.vocabulary_parallel import VocabularyParallel
 
 __all__ = ["LanguageModelBlocks", "prediction_from_logits"]
@@ -54,7 +62,7 @@ def _parent(module: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(parent) if parent else module), name
 
 
-class LanguageModelBlocks(CarriedState, VocabularyParallel):
+class LanguageModelBlocks(BlockCopies, CarriedState, VocabularyParallel):
     """The pipeline blocks of a module declared with :class:`~lightning_mp_lstm.models.declaration.LSTMBlocks`.
 
     Args:
@@ -71,25 +79,41 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
         d = declaration
         embedding, lstm, decoder = (self._find(d.embedding, "an nn.Embedding", nn.Embedding),
                                     self._find(d.lstm, "an nn.LSTM or an nn.ModuleList of LSTM layers", nn.Module),
-                                    self._find(d.decoder, "an nn.Linear", nn.Linear))
+                                    self._find(d.decoder, "an nn.Linear or an nn.AdaptiveLogSoftmaxWithLoss",
+                                               (nn.Linear, nn.AdaptiveLogSoftmaxWithLoss)))
         self.stacked = isinstance(lstm, (nn.LSTM, LayerwiseLSTM))  # one multi-layer module, else a ModuleList
         if not self.stacked and not isinstance(lstm, nn.ModuleList):
             raise ModelDeclarationError(f"LSTMBlocks.lstm={d.lstm!r} must be an nn.LSTM or an nn.ModuleList of "
                                         f"one-layer LSTMs, got {type(lstm).__name__}")
         self.sizes = self._layer_sizes(lstm)
-        self.vocab_size, self.decoder_in = decoder.weight.shape  # a tied decoder's in_features may be stale
+        self.vocab_size, self.decoder_in = decoder_sizes(decoder)
         self.embedding_dim = embedding.embedding_dim
         if self.decoder_in != self.sizes[-1][1] or self.sizes[0][0] != self.embedding_dim:
             raise ModelDeclarationError(
                 f"the declared blocks do not chain: embedding width {self.embedding_dim} -> LSTM layer sizes "
-                f"{self.sizes} -> decoder input {self.decoder_in} (its weight's shape {tuple(decoder.weight.shape)})")
+                f"{self.sizes} -> decoder input {self.decoder_in} ({type(decoder).__name__} of "
+                f"{self.vocab_size} words)")
         self.block_names = [d.embedding, *(f"{d.lstm}.{k}" for k in range(len(self.sizes))), d.decoder]
         self.ignore_index = d.ignore_index if d.ignore_index is not None else _NO_TARGET
         self.log_name = d.log_name
         self.reduction = d.reduction
         self._hooks = {role: self._method(role, name) for role, name in d.hooks.items()}
+        #: The built-in loss runs the decoder itself, a slice of tokens at a time: the decoder block hands it its
+        #: inputs, and a batch's logits never exist whole (:mod:`~lightning_mp_lstm.models.decoded_loss`). A loss
+        #: method of the module's own takes the logits.
+        self.decodes_in_loss = "loss" not in self._hooks
+        if is_adaptive(decoder) and not self.decodes_in_loss:
+            raise ModelDeclarationError(f"LSTMBlocks.loss={d.loss!r}: {d.decoder!r} is an adaptive softmax, which "
+                                        "computes its own loss from the targets and has no logits to give a loss "
+                                        "method; declare loss='cross_entropy'")
         self.objective = Objective(self._hooks.get("loss"), self._hooks.get("penalty"), d.reduction,
-                                   self.ignore_index, d.time_first, d.hooks)
+                                   self.ignore_index, d.time_first, d.hooks,
+                                   decoder=(lambda: self._get(d.decoder)) if self.decodes_in_loss else None,
+                                   slice_tokens=d.loss_chunk_tokens)
+        # What the embedding and the decoder look like, without their values: for a copy of a block this process
+        # does not hold (timing, probing, initial values of a meta-built block).
+        self._templates = {path: self._shape_of(module) for path, module in ((d.embedding, embedding),
+                                                                             (d.decoder, decoder))}
         self._dropout = self._dropout_of(d.dropout)
         inner = d.layer_dropout if d.layer_dropout is not None else (lstm.dropout if self.stacked else None)
         self._layer_dropout = self._dropout_of(inner)
@@ -99,7 +123,19 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
         self._checked_layout = False
         # Whether the decoder's weight is the embedding's: its copy on a process without the embedding starts as
         # the embedding does.
-        self._ties = {d.decoder: d.embedding} if decoder.weight is embedding.weight else {}
+        self._ties = {d.decoder: d.embedding} if getattr(decoder, "weight", None) is embedding.weight else {}
+
+    def _shape_of(self, module: nn.Module) -> nn.Module:
+        try:
+            return meta_copy(module)
+        except (RuntimeError, TypeError):  # a module deepcopy refuses: a stand-in of its kind and size
+            with torch.device("meta"):
+                if isinstance(module, nn.Embedding):
+                    return nn.Embedding(self.vocab_size, self.embedding_dim)
+                if is_adaptive(module):
+                    return nn.AdaptiveLogSoftmaxWithLoss(module.in_features, module.n_classes, module.cutoffs[:-1],
+                                                         module.div_value, module.head_bias)
+                return nn.Linear(self.decoder_in, self.vocab_size)
 
     def _layer_sizes(self, lstm: nn.Module) -> list[tuple[int, int]]:
         """``(input, hidden)`` of every layer, checking the kinds: unidirectional LSTMs with biases, no projection;
@@ -137,7 +173,7 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
         return method
 
     # ----- finding and replacing the user's modules -------------------------------------------------------
-    def _find(self, path: str, kind: str, cls: type) -> nn.Module:
+    def _find(self, path: str, kind: str, cls: type | tuple[type, ...]) -> nn.Module:
         try:
             found = self.module.get_submodule(path)
         except AttributeError:
@@ -198,7 +234,7 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
                     if module is not None else None)
         if name == d.decoder:
             module = self._get(name)
-            return DecoderBlock(module) if module is not None else None
+            return DecoderBlock(module, decodes_in_loss=self.decodes_in_loss) if module is not None else None
         layer = self.block_names.index(name) - 1
         if not self._layer_present(layer):
             return None
@@ -253,112 +289,6 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
                 if layer not in kept:
                     stack[layer] = None
 
-    # ----- the contract: initial values and throw-away copies ------------------------------------------------
-    def _block_seed(self, name: str) -> int:
-        return (self.seed ^ zlib.crc32(name.encode())) % 2**63
-
-    @contextmanager
-    def _seeded(self, name: str) -> Iterator[None]:
-        # The CPU generator only (materialized on the CPU, then moved): no accelerator generator is reseeded.
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(self._block_seed(name))
-            yield
-
-    def _fresh(self, name: str) -> nn.Module:
-        """Block ``name``'s module with its initial values, on the CPU: an ``nn.Embedding``, a one-layer
-        ``nn.LSTM`` or the ``nn.Linear``, of the declared modules' sizes and kinds."""
-        d = self.declaration
-        with self._seeded(name), torch.device("cpu"):
-            if name in (d.embedding, d.decoder):
-                module = copy.deepcopy(self._template(name))
-                module.to_empty(device="cpu")
-                module.reset_parameters()
-            elif self.stacked:
-                width, hidden = self.sizes[self.block_names.index(name) - 1]
-                module = nn.LSTM(width, hidden, batch_first=True)
-            else:  # the user's layer module (a wrapper or parametrization included), reset as torch builds it
-                module = copy.deepcopy(self._layer_template(self.block_names.index(name) - 1))
-                module.to_empty(device="cpu")
-                for part in module.modules():
-                    if callable(getattr(part, "reset_parameters", None)):
-                        part.reset_parameters()
-            if d.init is not None:
-                d.init(name, module)
-        return module
-
-    def _layer_template(self, layer: int) -> nn.Module:
-        module = self._stack()[layer]
-        if module is None:
-            raise KeyError(f"layer {layer} of {self.declaration.lstm} is not on this process")
-        return module
-
-    def _template(self, name: str) -> nn.Module:
-        module = self._get(name)
-        if module is None:  # pruned: a stand-in of the declared size (its values are set afresh)
-            d = self.declaration
-            with torch.device("meta"):
-                module = (nn.Embedding(self.vocab_size, self.embedding_dim) if name == d.embedding
-                          else nn.Linear(self.decoder_in, self.vocab_size))
-        return module
-
-    def materialize_blocks(self, names: Sequence[str], device: torch.device) -> None:
-        """Give the blocks ``names`` still on the meta device their initial values, on ``device`` (each depends on
-        the seed and the block's name only, so every layout starts from the same values)."""
-        d = self.declaration
-        meta = [n for n in names if any(t.is_meta for t in self._block_tensors(n))]
-        for name in meta:
-            if name in (d.embedding, d.decoder):
-                module = self._get(name)
-                fresh = dict(self._fresh(name).named_parameters())
-                if name in self._ties:  # the decoder's copy of the tied weight starts as the embedding does
-                    fresh["weight"] = self._fresh(self._ties[name]).weight
-                module.to_empty(device=device)
-                targets = dict(module.named_parameters())
-            else:
-                layer = self.block_names.index(name) - 1
-                stack = self._stack()
-                if not self.stacked:  # the user's layer module: the fresh copy has its very parameter names
-                    fresh = dict(self._fresh(name).named_parameters())
-                    stack[layer].to_empty(device=device)
-                    targets = dict(stack[layer].named_parameters())
-                else:
-                    fresh = dict(zip(lstm_layer_names(0), self._fresh(name).parameters(), strict=True))
-                    if isinstance(stack, LayerwiseLSTM):
-                        stack.set_layer(layer, [torch.empty_like(t, device=device) for t in fresh.values()])
-                    elif stack.weight_ih_l0.is_meta:
-                        stack.to_empty(device=device)  # every layer at once; each gets its values below
-                    targets = dict(zip(lstm_layer_names(0), self._layer_weights(layer), strict=True))
-            with torch.no_grad():
-                for key, target in targets.items():
-                    target.copy_(fresh[key])
-        if self._ties:
-            embedding, decoder = self._get(d.embedding), self._get(d.decoder)
-            if embedding is not None and decoder is not None:
-                decoder.weight = embedding.weight
-
-    def _block_tensors(self, name: str) -> list[torch.Tensor]:
-        if name in (self.declaration.embedding, self.declaration.decoder):
-            module = self._get(name)
-            return list(module.parameters()) if module is not None else []
-        layer = self.block_names.index(name) - 1
-        return self._layer_weights(layer) if self._layer_present(layer) else []
-
-    def build_block(self, name: str, device: torch.device) -> nn.Module:
-        """A new block ``name`` on ``device`` (for timing; the global random state is left alone)."""
-        module = self._fresh(name).to(device)
-        d = self.declaration
-        if name == d.embedding:
-            return EmbeddingBlock(module, self._dropout, self._hooks.get("embed"), d.time_first)
-        if name == d.decoder:
-            return DecoderBlock(module)
-        block = self._layer_block(self.block_names.index(name) - 1)
-        block.objective = None  # a throw-away copy, timed alone: no penalty bookkeeping
-        if self.stacked or plain_lstm(module):
-            block.set_weights(list(module.parameters()))
-        else:
-            block.set_module(module, single_lstm(module).batch_first)
-        return block
-
     def example_input(self, name: str, rows: int, length: int, device: torch.device) -> torch.Tensor:
         """Token ids for the embedding, activations of the right width for the other blocks."""
         if name == self.declaration.embedding:
@@ -367,7 +297,11 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
         return torch.randn(rows, length, width, device=device)
 
     def example_targets(self, rows: int, length: int, device: torch.device) -> torch.Tensor:
-        return torch.randint(0, self.vocab_size, (rows, length), device=device)
+        """Target ids as a corpus draws them: Zipf's law over ids ordered by frequency (the probability of id ``k``
+        about ``1 / (k + 1)``). An adaptive softmax's cost depends on it: uniform ids would put three quarters of
+        WikiText-103's tokens in its rarest cluster, where a corpus puts a tenth."""
+        spread = torch.rand(rows, length, device=device) * math.log(self.vocab_size + 1)
+        return (spread.exp().long() - 1).clamp_(0, self.vocab_size - 1)
 
     def analytic_costs(self, kind: str, rows: int, length: int) -> dict[str, float]:
         """``"flops"`` of a ``rows x length`` batch, ``"memory"`` bytes (parameters, gradients, Adam-sized optimizer
@@ -383,7 +317,33 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
             values = {k: float(v) for k, v in costs.parameter_counts(shape).items()}
         else:
             raise ValueError(f"unknown cost kind {kind!r}; allowed: flops, memory, parameters")
-        return dict(zip(self.block_names, values.values(), strict=True))
+        values = dict(zip(self.block_names, values.values(), strict=True))
+        adaptive = self._templates[self.declaration.decoder]
+        if is_adaptive(adaptive):  # its head scores every token, each cluster only the tokens it holds
+            parameters = float(sum(p.numel() for p in adaptive.parameters()))
+            per_token = adaptive.head.weight.numel() + sum(share * width * (self.decoder_in + words)
+                                                           for share, words, width in adaptive_clusters(adaptive))
+            values[self.declaration.decoder] = {"flops": 3 * 2 * rows * length * per_token,
+                                                "memory": 16.0 * parameters}.get(kind, parameters)
+        return values
+
+    # ----- what the memory plan reads (lightning_mp_lstm.planning.memory) -------------------------------------
+    @property
+    def logits_width(self) -> int:
+        """Logits per token the loss computes (:func:`~lightning_mp_lstm.models.decoded_loss.logits_per_token`)."""
+        return int(logits_per_token(self._templates[self.declaration.decoder]))
+
+    @property
+    def loss_slice_tokens(self) -> int | None:
+        """Tokens per slice of the loss's logits; ``None``: the module's own loss takes a microbatch's whole."""
+        if not self.decodes_in_loss:
+            return None
+        return self.declaration.loss_chunk_tokens or chunk_tokens(self._templates[self.declaration.decoder])
+
+    @property
+    def tied_numel(self) -> int:
+        """Elements of the matrix the decoder shares with the embedding (0: untied)."""
+        return self.vocab_size * self.decoder_in if self._ties else 0
 
     # ----- the contract: batches, loss, predictions --------------------------------------------------------
     def prepare_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,10 +364,13 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
         """See :meth:`~lightning_mp_lstm.models.objective.Objective.start_batch`."""
         self.objective.start_batch(counts, microbatch_rows, accumulation)
 
-    def microbatch_loss(self, outputs: Any, targets: torch.Tensor, microbatch: int | None = None) -> torch.Tensor:
+    def microbatch_loss(self, outputs: Any, targets: torch.Tensor, microbatch: int | None = None,
+                        block: nn.Module | None = None) -> torch.Tensor:
         """Microbatch ``microbatch`` 's piece of the batch loss: the declared loss, scaled by its reduction
-        (vocabulary-sharded logits: with ``loss_parallel``); ``None``: the microbatch's own loss, for timing."""
-        return self.objective.microbatch_loss(outputs, targets, microbatch)
+        (vocabulary-sharded logits: with ``loss_parallel``); ``None``: the microbatch's own loss, for timing.
+        ``block``: the decoder block that gave ``outputs`` when it is not the module's own (a copy being timed)."""
+        decoder = getattr(block, "decoder", None) if block is not None else None
+        return self.objective.microbatch_loss(outputs, targets, microbatch, decoder)
 
     def finish_batch(self) -> dict[str, torch.Tensor]:
         """This process's pieces of the batch's loss (``"loss"``) and of its named terms."""
@@ -431,6 +394,9 @@ class LanguageModelBlocks(CarriedState, VocabularyParallel):
 
     def predictions(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token target log-probabilities, the most likely next tokens and the target mask (B, T)."""
+        if self.decodes_in_loss:
+            return decoded_predictions(outputs, self._get(self.declaration.decoder), targets, self.ignore_index,
+                                       self.declaration.loss_chunk_tokens)
         if isinstance(outputs, DTensor):
             outputs = outputs.full_tensor()  # prediction needs every word
         return prediction_from_logits(outputs, targets, self.ignore_index)

@@ -21,17 +21,41 @@ from typing_extensions import override
 from lightning_mp_lstm.base.validation import check_positive_int
 from lightning_mp_lstm.models.blocks import without_autocast
 from lightning_mp_lstm.models.declaration import LSTMBlocks
+from lightning_mp_lstm.models.decoded_loss import decoded_cross_entropy, decoded_predictions
 from lightning_mp_lstm.models.language_model_blocks import prediction_from_logits
 from lightning_mp_lstm.models.metrics import LanguageModelMetrics, perplexity
 from lightning_mp_lstm.models.objective import token_cross_entropy
 from lightning_mp_lstm.models.optimizer_kernels import kernel_options, make_optimizer
 from lightning_mp_lstm.models.vocab_padding import PaddedDecoder, padded_vocab_size
 
-__all__ = ["OPTIMIZERS", "LSTMLanguageModel", "block_names", "perplexity", "prediction_from_logits",
-           "token_loss_sum"]
+__all__ = ["ADAPTIVE_ABOVE", "OPTIMIZERS", "SOFTMAXES", "LSTMLanguageModel", "adaptive_cutoffs", "block_names",
+           "perplexity", "prediction_from_logits", "token_loss_sum"]
 
 #: Optimizers by name (or give ``optimizer`` a callable: ``params -> torch.optim.Optimizer``).
 OPTIMIZERS = ("sgd", "adam", "adamw")
+#: The decoders: a full softmax over the vocabulary (``nn.Linear`` + cross-entropy), torch's adaptive softmax, or
+#: ``"auto"``: adaptive above :data:`ADAPTIVE_ABOVE` words (unless the weights are tied), else full.
+SOFTMAXES = ("full", "adaptive", "auto")
+#: ``softmax="auto"`` is adaptive for vocabularies larger than this: where AWD-LSTM splits its softmax (WikiText-103).
+ADAPTIVE_ABOVE = 75_000
+
+
+def adaptive_cutoffs(vocab_size: int) -> list[int]:
+    """The adaptive softmax's cluster boundaries for a vocabulary of ``vocab_size`` words (ids by decreasing
+    frequency): AWD-LSTM's splits, ``[2800, 20000, 76000]`` above 75,000 words (WikiText-103) and
+    ``[4200, 35000, 180000]`` above 500,000 (the One Billion Word benchmark); a shortlist of a tenth of the words and
+    a second cluster to 40 % below.
+
+    Raises:
+        ValueError: a vocabulary too small to split (fewer than 10 words).
+    """
+    if vocab_size > 500_000:
+        return [4200, 35000, 180000]
+    if vocab_size > 75_000:
+        return [cut for cut in (2800, 20000, 76000) if cut < vocab_size - 1]
+    if vocab_size < 10:
+        raise ValueError(f"an adaptive softmax needs at least 10 words to split into clusters, got {vocab_size}")
+    return sorted({max(1, vocab_size // 10), max(2, vocab_size * 2 // 5)})
 
 
 def block_names(num_layers: int) -> list[str]:
@@ -72,6 +96,14 @@ class LSTMLanguageModel(pl.LightningModule):
             ids get a logit of ``-inf`` (:class:`~lightning_mp_lstm.models.vocab_padding.PaddedDecoder`): never
             predicted, never sampled, no probability taken from the real words, so losses and perplexities are the
             unpadded model's. ``vocab_size`` stays the real vocabulary's size.
+        softmax: ``"full"``: a linear decoder onto every word (its logits computed a slice of tokens at a time in the
+            loss, :mod:`~lightning_mp_lstm.models.decoded_loss`); ``"adaptive"``:
+            ``torch.nn.AdaptiveLogSoftmaxWithLoss`` (Grave et al. 2017, as WikiText-103 LSTMs train), whose
+            log-probabilities, loss and perplexity are exact; ``"auto"``: adaptive for a vocabulary of more than
+            :data:`ADAPTIVE_ABOVE` words (unless ``tie_weights``), else full (``hparams.softmax`` keeps the choice).
+        cutoffs: the adaptive softmax's cluster boundaries (``None``: :func:`adaptive_cutoffs`).
+        div_value: how much narrower each adaptive cluster's projection is than the previous one's.
+        loss_chunk_tokens: tokens per slice of the loss (``None``: as many as 64 MiB of logits hold).
     """
 
     def __init__(
@@ -91,6 +123,10 @@ class LSTMLanguageModel(pl.LightningModule):
         init_range: float | None = 0.1,
         carry_state: bool = False,
         pad_vocab_to_multiple_of: int = 1,
+        softmax: str = "full",
+        cutoffs: list[int] | None = None,
+        div_value: float = 4.0,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("embedding_dim", embedding_dim),
@@ -99,6 +135,15 @@ class LSTMLanguageModel(pl.LightningModule):
             check_positive_int(name, value)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if loss_chunk_tokens is not None:
+            check_positive_int("loss_chunk_tokens", loss_chunk_tokens)
+        if softmax not in SOFTMAXES:
+            raise ValueError(f"unknown softmax {softmax!r}; allowed: {', '.join(SOFTMAXES)}")
+        if softmax == "auto":  # resolved before save_hyperparameters reads it: a checkpoint names its decoder
+            softmax = "adaptive" if vocab_size > ADAPTIVE_ABOVE and not tie_weights else "full"
+        if softmax == "adaptive" and tie_weights:
+            raise ValueError("tie_weights=True shares the embedding with a linear decoder; an adaptive softmax has "
+                             "no such matrix: use softmax='full' to tie, or tie_weights=False")
         if tie_weights and embedding_dim != hidden_size:
             raise ValueError(
                 f"tie_weights=True needs embedding_dim == hidden_size, got {embedding_dim} and {hidden_size}"
@@ -122,8 +167,16 @@ class LSTMLanguageModel(pl.LightningModule):
             self.lstm = nn.ModuleList(nn.LSTM(embedding_dim if i == 0 else hidden_size, hidden_size, batch_first=True)
                                       for i in range(num_layers))
             self.dropout = nn.Dropout(dropout)
-            self.decoder = (PaddedDecoder(hidden_size, rows, words=vocab_size) if rows > vocab_size
-                            else nn.Linear(hidden_size, vocab_size))
+            if softmax == "adaptive":
+                cutoffs = list(cutoffs) if cutoffs is not None else adaptive_cutoffs(vocab_size)
+                if hidden_size // div_value ** len(cutoffs) < 1:
+                    raise ValueError(f"an adaptive softmax of {len(cutoffs)} clusters from {hidden_size} units with "
+                                     f"div_value={div_value} leaves its last cluster a projection 0 wide; use a "
+                                     "smaller div_value or fewer cutoffs")
+                self.decoder = nn.AdaptiveLogSoftmaxWithLoss(hidden_size, vocab_size, cutoffs, div_value=div_value)
+            else:
+                self.decoder = (PaddedDecoder(hidden_size, rows, words=vocab_size) if rows > vocab_size
+                                else nn.Linear(hidden_size, vocab_size))
         if not self.embedding.weight.is_meta:  # built on the meta device: the strategy materializes the blocks
             for name, module in zip(block_names(num_layers), [self.embedding, *self.lstm, self.decoder], strict=True):
                 self._init_block(name, module)
@@ -136,7 +189,8 @@ class LSTMLanguageModel(pl.LightningModule):
         """What the ``mp_lstm`` strategy splits: the same declaration any user's model gives."""
         return LSTMBlocks(embedding="embedding", lstm="lstm", decoder="decoder", dropout="dropout",
                           layer_dropout="dropout", ignore_index=0, carry_state=bool(self.hparams.carry_state),
-                          init=self._init_block, log_name="{split}/{metric}")
+                          init=self._init_block, loss_chunk_tokens=self.hparams.loss_chunk_tokens,
+                          log_name="{split}/{metric}")
 
     def _init_block(self, name: str, module: nn.Module) -> None:
         """Block ``name``'s initial values, from a generator seeded by the model's seed and the block's name only
@@ -156,8 +210,15 @@ class LSTMLanguageModel(pl.LightningModule):
     # ----- computation ----------------------------------------------------------------------------------------
     @override
     def forward(self, tokens: torch.Tensor, state: list[Any] | None = None) -> tuple[torch.Tensor, list[Any]]:
-        """Logits (B, T, V) of token ids (B, T), starting every layer from ``state`` (one ``(h, c)`` or ``None``
-        per layer), and the state each layer ended with."""
+        """Logits (B, T, V) of token ids (B, T) (the adaptive softmax's log-probabilities), starting every layer from
+        ``state`` (one ``(h, c)`` or ``None`` per layer), and the state each layer ended with. Every word of every
+        token at once: for sampling; the steps decode a slice of tokens at a time."""
+        x, ended = self.features(tokens, state)
+        return (self.decoder.log_prob(x.flatten(0, 1)).unflatten(0, x.shape[:2]) if self.hparams.softmax == "adaptive"
+                else self.decoder(x)), ended
+
+    def features(self, tokens: torch.Tensor, state: list[Any] | None = None) -> tuple[torch.Tensor, list[Any]]:
+        """The decoder's inputs (B, T, hidden) of token ids (B, T), and the state each layer ended with."""
         x = self.dropout(self.embedding(tokens))
         ended = []
         with without_autocast(x):  # the LSTMs in their weights' dtype, as under mp_lstm (blocks.without_autocast)
@@ -165,7 +226,7 @@ class LSTMLanguageModel(pl.LightningModule):
                 x, hx = layer(x.to(layer.weight_ih_l0.dtype), hx)
                 x = self.dropout(x)
                 ended.append(hx)
-        return self.decoder(x), ended
+        return x, ended
 
     def _carried(self, mode: str) -> list[Any] | None:
         """The state the last batch of ``mode`` ended with, when the model carries it."""
@@ -177,10 +238,11 @@ class LSTMLanguageModel(pl.LightningModule):
 
     def _loss(self, batch: Any, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = batch[0], batch[1]
-        logits, state = self(inputs, self._carried(mode))
+        hidden, state = self.features(inputs, self._carried(mode))
         self._keep(mode, state)
         tokens = (targets != 0).sum()
-        return token_loss_sum(logits, targets) / tokens.clamp(min=1), tokens
+        loss = decoded_cross_entropy(hidden, self.decoder, targets, 0, self.hparams.loss_chunk_tokens)
+        return loss / tokens.clamp(min=1), tokens
 
     # ----- Lightning hooks (one process; under mp_lstm the strategy runs the steps) ---------------------------
     @override
@@ -209,9 +271,9 @@ class LSTMLanguageModel(pl.LightningModule):
             dict with ``log_probs`` (B, T) float, ``next_token`` (B, T) int64 and ``mask`` (B, T) bool (True on
             real tokens).
         """
-        logits, ended = self(batch[0], self._carried("eval"))
+        hidden, ended = self.features(batch[0], self._carried("eval"))
         self._keep("eval", ended)
-        return prediction_from_logits(logits, batch[1])
+        return decoded_predictions(hidden, self.decoder, batch[1], 0, self.hparams.loss_chunk_tokens)
 
     @override
     def on_train_epoch_start(self) -> None:

@@ -20,20 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch import nn
+
+from lightning_mp_lstm.models.decoded_loss import decoded_cross_entropy, token_cross_entropy
 
 __all__ = ["Objective", "to_user_layout", "token_cross_entropy"]
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Summed cross-entropy of (B, T, V) logits against (B, T) targets, leaving ``ignore_index`` out (in float32 for
-    16-bit logits, else in the logits' own dtype: float64 stays float64)."""
-    logits = logits.flatten(0, 1)
-    return F.cross_entropy(logits.float() if logits.dtype in _LOW_PRECISION else logits, targets.flatten(),
-                           ignore_index=ignore_index, reduction="sum")
 
 
 def to_user_layout(tensor: torch.Tensor, time_first: bool) -> torch.Tensor:
@@ -64,6 +55,10 @@ class Objective:
         ignore_index: the target id that is not a token.
         time_first: the module's tensors are ``(T, B, ...)``.
         names: the module's method names (for messages).
+        decoder: where the built-in loss finds the decoder when the last block hands it the decoder's inputs rather
+            than logits (:func:`~lightning_mp_lstm.models.decoded_loss.decoded_cross_entropy`: the logits never exist
+            whole); ``None``: the last block's outputs are the logits.
+        slice_tokens: tokens per slice of that loss (``None``: as many as 64 MiB of logits hold).
 
     Attributes:
         microbatch: the row microbatch whose forward runs now (set by the model's ``microbatch_context``; ``None``
@@ -71,8 +66,10 @@ class Objective:
     """
 
     def __init__(self, loss: Callable[..., Any] | None, penalty: Callable[..., Any] | None, reduction: str,
-                 ignore_index: int, time_first: bool, names: dict[str, str]) -> None:
+                 ignore_index: int, time_first: bool, names: dict[str, str],
+                 decoder: Callable[[], nn.Module | None] | None = None, slice_tokens: int | None = None) -> None:
         self.loss, self.penalty, self.reduction = loss, penalty, reduction
+        self.decoder, self.slice_tokens = decoder, slice_tokens
         self.ignore_index, self.time_first, self.names = ignore_index, time_first, names
         self.microbatch: int | None = None
         self._counts: torch.Tensor | None = None
@@ -130,11 +127,14 @@ class Objective:
         return int(self._microbatch_rows[microbatch]) if microbatch < len(self._microbatch_rows) else 0
 
     # ----- the loss, on the last stage ----------------------------------------------------------------------------
-    def microbatch_loss(self, logits: Any, targets: torch.Tensor, microbatch: int | None = None) -> torch.Tensor:
+    def microbatch_loss(self, logits: Any, targets: torch.Tensor, microbatch: int | None = None,
+                        decoder: nn.Module | None = None) -> torch.Tensor:
         """Microbatch ``microbatch`` 's piece of the batch loss (``None``: the piece's loss as the module computes
-        it, unscaled, for timing); the piece of each term is kept for :meth:`finish_batch`."""
+        it, unscaled, for timing); the piece of each term is kept for :meth:`finish_batch`. ``logits`` are the
+        decoder's inputs when the objective decodes them itself (``decoder``: another copy of the decoder than the
+        module's, a throw-away one being timed)."""
         if self.loss is None:
-            summed = self._builtin(logits, targets)
+            summed = self._builtin(logits, targets, decoder)
             if microbatch is None:
                 return summed
             normalizer = self._normalizer()
@@ -155,14 +155,11 @@ class Objective:
                   else torch.full((), weight, dtype=torch.float64, device=logits.device))  # no host-to-device copy
         return self._record(terms, (weight / self._normalizer().double()).to(dtype))
 
-    def _builtin(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
-        if isinstance(logits, DTensor):  # vocabulary-parallel logits: torch's loss_parallel computes on the shards
-            flat = logits.flatten(0, 1)
-            flat = flat.float() if flat.dtype in _LOW_PRECISION else flat
-            target = DTensor.from_local(targets.flatten(), logits.device_mesh, [Replicate()], run_check=False)
-            loss = F.cross_entropy(flat, target, ignore_index=self.ignore_index, reduction="sum")
-            return loss.to_local() if isinstance(loss, DTensor) else loss
-        return token_cross_entropy(logits, targets, self.ignore_index)
+    def _builtin(self, outputs: Any, targets: torch.Tensor, decoder: nn.Module | None = None) -> torch.Tensor:
+        if self.decoder is None:
+            return token_cross_entropy(outputs, targets, self.ignore_index)
+        return decoded_cross_entropy(outputs, decoder if decoder is not None else self.decoder(), targets,
+                                     self.ignore_index, self.slice_tokens)
 
     # ----- the penalty, where the last LSTM layer runs ---------------------------------------------------------------
     def add_penalty(self, raw: torch.Tensor, output: torch.Tensor, chunk: int = 0, chunks: int = 1) -> None:

@@ -23,6 +23,7 @@ class VocabularyParallel:
     declaration: Any
     vocab_size: int
     _ties: dict[str, str]
+    _templates: dict[str, nn.Module]
     _hooks: dict[str, Any]
     _get: Callable[[str], nn.Module | None]
 
@@ -36,6 +37,11 @@ class VocabularyParallel:
                 f"{self.vocab_size} is not a multiple of {size}; use a tensor_parallel_size that divides it "
                 f"({divisors}) or pad the vocabulary to {nearest} words (LSTMLanguageModel's "
                 "pad_vocab_to_multiple_of; model.pad_vocab_to_multiple_of for train.py)")
+        decoder = self._templates[self.declaration.decoder]
+        if size > 1 and isinstance(decoder, nn.AdaptiveLogSoftmaxWithLoss):
+            raise ValueError(f"tensor_parallel_size={size} splits the decoder's columns over processes; an adaptive "
+                             "softmax has no such matrix (its head and clusters are small): use tensor_parallel_size=1 "
+                             "with it, or a full softmax (model.softmax=full)")
         hooks = sorted(set(self._hooks) & {"embed", "loss"})
         if size > 1 and hooks:
             raise ValueError(f"tensor_parallel_size={size} splits the embedding and the decoder's logits, which the "
@@ -68,7 +74,7 @@ class VocabularyParallel:
     def loss_context(self) -> AbstractContextManager[Any]:
         """``loss_parallel`` when the decoder is split (around the loss's forward and backward)."""
         decoder = self._get(self.declaration.decoder)
-        if decoder is not None and isinstance(decoder.weight, DTensor):
+        if decoder is not None and isinstance(getattr(decoder, "weight", None), DTensor):
             from torch.distributed.tensor.parallel import loss_parallel
 
             return loss_parallel()

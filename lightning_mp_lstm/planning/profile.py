@@ -104,7 +104,7 @@ def _timed_chain(model: Any, names: Sequence[str], modules: Sequence[nn.Module],
                 for i in group:
                     y = _first_tensor(modules[i](y))
                 if targets is not None:
-                    model.microbatch_loss(y, targets).backward()
+                    model.microbatch_loss(y, targets, block=modules[group[-1]]).backward()
                 else:
                     y.backward(grad)
 
