@@ -108,11 +108,12 @@ CASES = [
     Case("buckets: a 100,000-token line with no length cap",
          ["data=text", "data.train={long}", "data.valid={text}", "data.test={text}", "buckets.max_length=null",
           "strategy.memory_per_process=1"],
-         r"a training batch of the longest bucket \(100,001 tokens, as long as the longest training line \(line 8 of "
-         r".*long.txt, 100,001 tokens\)\) keeps about [\d.]+ GiB of activations on a process \(\d+ sentences in "
-         r"flight\), more than the 1.0 GiB each may use \(strategy.memory_per_process=1\). Cap the bucket length "
+         r"cannot hold this model and batch: .* \(mostly activations\), more than the 1.00 GiB a process may use "
+         r"\(strategy.memory_per_process=1\)\.\nmemory per process[\s\S]*Or: a training batch of the longest bucket "
+         r"\(100,001 tokens, as long as the longest training line \(line 8 of .*long.txt, 100,001 tokens\)\) keeps "
+         r"about [\d.]+ GiB of activations on pipeline rank 0 \(\d+ sentences in flight\). Cap the bucket length "
          r"\(train.py: buckets.max_length=<tokens>; LMDataModule\(max_bucket_length=...\)\): longer lines are then "
-         r"split into pieces; or lower data.batch_size / data.max_tokens", "ActivationMemoryError",
+         r"split into pieces; or lower data.batch_size / data.max_tokens", "MemoryError_",
          files={"long": "long_line", "text": "text"}),
     # ----- corpora
     Case("corpus: unknown source", ["data.source=csv"],

@@ -40,8 +40,8 @@ def test_measurements_are_shown_next_to_the_plan_which_does_not_change():
 
 
 def test_compact_block_runs():
-    from lightning_mp_lstm.planning.report import _compact
+    from lightning_mp_lstm.planning.partition import compact_blocks
 
-    assert _compact(["embedding", "lstm.0", "lstm.1", "lstm.2", "decoder"]) == "embedding, lstm.0-2, decoder"
-    assert _compact(["lstm.1", "lstm.3"]) == "lstm.1, lstm.3"
-    assert _compact(["encoder", "rnn.0", "rnn.1", "decoder"]) == "encoder, rnn.0-1, decoder"
+    assert compact_blocks(["embedding", "lstm.0", "lstm.1", "lstm.2", "decoder"]) == "embedding, lstm.0-2, decoder"
+    assert compact_blocks(["lstm.1", "lstm.3"]) == "lstm.1, lstm.3"
+    assert compact_blocks(["encoder", "rnn.0", "rnn.1", "decoder"]) == "encoder, rnn.0-1, decoder"

@@ -283,7 +283,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "checkpoint": saved or None,
             "logs": log_dir,
             "entropy_floor_ppl": getattr(datamodule, "entropy_floor", None),
-            "unigram_ppl": getattr(datamodule, "unigram_perplexity", None),
+            # Global rank 0 prints the table: the others need not read the training split for it.
+            "unigram_ppl": getattr(datamodule, "unigram_perplexity", None) if trainer.is_global_zero else None,
             "timeline": _timeline_paths(trainer),
             "evaluated": None,
             "metrics": _scalars(trainer.callback_metrics),  # the last validation's, unless evaluated below

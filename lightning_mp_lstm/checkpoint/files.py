@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.distributed.tensor import DTensor
@@ -27,7 +26,8 @@ def read_checkpoint(path: str | os.PathLike, load: Any = None, model_state: bool
 
     Args:
         path: the file (local or any fsspec URL).
-        load: the reader, e.g. a ``CheckpointIO``'s ``load_checkpoint``; default: Lightning's, onto the CPU.
+        load: the reader, e.g. a ``CheckpointIO``'s ``load_checkpoint``; default: :class:`AtomicCheckpointIO`'s, onto
+            the CPU (a local file memory-mapped).
         model_state: require a ``state_dict`` (not for the metadata file of a sharded checkpoint).
 
     Raises:
@@ -39,7 +39,8 @@ def read_checkpoint(path: str | os.PathLike, load: Any = None, model_state: bool
     if not fs.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
-        checkpoint = load(path) if load is not None else lightning_load(path, map_location="cpu", weights_only=False)
+        checkpoint = load(path) if load is not None else AtomicCheckpointIO().load_checkpoint(
+            path, map_location="cpu", weights_only=False)
     except Exception as error:  # noqa: BLE001  (torch gives EOFError, KeyError, RuntimeError, OSError...)
         size = fs.size(path)
         raise CheckpointError(
@@ -81,7 +82,7 @@ def check_finite(checkpoint: dict[str, Any], source: str) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO, writing local files atomically in their own directory.
+    """Lightning's checkpoint IO, writing local files atomically in their own directory, reading them mapped.
 
     The file is written to a hidden temporary file next to the target, flushed to disk, then renamed over
     it: a run killed at any moment leaves either the previous file or the new one, never a mix.
@@ -119,6 +120,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.fsync(directory)  # the rename itself survives a power cut
         finally:
             os.close(directory)
+
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """A local file memory-mapped (``torch.load(mmap=True)``): a process reads the pages of the tensors it takes
+        (its own blocks' and their optimizer state), not the whole model; other paths as Lightning reads them."""
+        fs = get_filesystem(path)
+        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
 
 
 def _serialize(checkpoint: dict[str, Any], handle: Any) -> None:

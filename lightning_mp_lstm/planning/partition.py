@@ -16,6 +16,7 @@ from lightning_mp_lstm.base.validation import check_positive_int
 __all__ = [
     "PartitionError",
     "balanced_partition",
+    "compact_blocks",
     "even_partition",
     "partition_blocks",
     "stage_totals",
@@ -362,3 +363,28 @@ def partition_blocks(
 def stage_totals(partition: Sequence[Sequence[str]], costs: Mapping[str, float]) -> list[float]:
     """The sum of the block costs of every stage."""
     return [float(sum(costs[name] for name in stage)) for stage in partition]
+
+
+def compact_blocks(blocks: Sequence[str]) -> str:
+    """Block names for a table: ``embedding, lstm.0, lstm.1, lstm.2`` -> ``embedding, lstm.0-2`` (runs of numbered
+    blocks)."""
+    parts: list[str] = []
+    run: list[tuple[str, int]] = []
+
+    def flush() -> None:
+        if run:
+            prefix = run[0][0]
+            parts.append(f"{prefix}{run[0][1]}" if len(run) == 1 else f"{prefix}{run[0][1]}-{run[-1][1]}")
+            run.clear()
+
+    for name in blocks:
+        prefix, _, number = name.rpartition(".")
+        if number.isdigit() and prefix:
+            if run and (run[-1][0] != prefix + "." or int(number) != run[-1][1] + 1):
+                flush()
+            run.append((prefix + ".", int(number)))
+        else:
+            flush()
+            parts.append(name)
+    flush()
+    return ", ".join(parts)

@@ -15,7 +15,7 @@ import torch
 
 from lightning_mp_lstm.base.faults import gather
 from lightning_mp_lstm.planning import profile
-from lightning_mp_lstm.planning.partition import even_partition, stage_totals
+from lightning_mp_lstm.planning.partition import compact_blocks, even_partition, stage_totals
 from lightning_mp_lstm.planning.plan import ChunkCost, PipelinePlan
 
 __all__ = ["Measurements", "cost_text", "measure", "measured_line", "render", "stage_summary", "step_times"]
@@ -89,30 +89,6 @@ def _shares(values: Sequence[float]) -> list[float]:
     return [v / total if total else 0.0 for v in values]
 
 
-def _compact(blocks: Sequence[str]) -> str:
-    """``embedding, lstm.0, lstm.1, lstm.2`` -> ``embedding, lstm.0-2`` (runs of numbered blocks)."""
-    parts: list[str] = []
-    run: list[tuple[str, int]] = []
-
-    def flush() -> None:
-        if run:
-            prefix = run[0][0]
-            parts.append(f"{prefix}{run[0][1]}" if len(run) == 1 else f"{prefix}{run[0][1]}-{run[-1][1]}")
-            run.clear()
-
-    for name in blocks:
-        prefix, _, number = name.rpartition(".")
-        if number.isdigit() and prefix:
-            if run and (run[-1][0] != prefix + "." or int(number) != run[-1][1] + 1):
-                flush()
-            run.append((prefix + ".", int(number)))
-        else:
-            flush()
-            parts.append(name)
-    flush()
-    return ", ".join(parts)
-
-
 def stage_summary(plan: PipelinePlan) -> dict[str, list[float]]:
     """Per-stage totals of the plan: ``costs``, ``parameters``, ``memory`` (bytes) and the ``even`` split's costs.
 
@@ -148,7 +124,7 @@ def render(plan: PipelinePlan, measurements: Measurements | None = None) -> str:
     rows = []
     for s, blocks in enumerate(plan.partition):
         split = [b for b in blocks if b in plan.split_blocks]
-        shown = _compact(blocks) + (f" ({', '.join(split)} split /{tp})" if split else "")
+        shown = compact_blocks(blocks) + (f" ({', '.join(split)} split /{tp})" if split else "")
         row = [str(s), shown, f"{int(summary['parameters'][s]):,}", f"{summary['memory'][s] / 2**20:.1f}",
                f"{100 * cost_shares[s]:.1f}"]
         if measured_shares:
@@ -162,7 +138,7 @@ def render(plan: PipelinePlan, measurements: Measurements | None = None) -> str:
     bottleneck = max(c / v for c, v in zip(summary["costs"], speeds))
     even_bottleneck = max(c / v for c, v in zip(summary["even"], speeds))
     names = [name for name, _ in plan.block_costs]
-    even = " | ".join(_compact(stage) for stage in even_partition(names, len(plan.partition)))
+    even = " | ".join(compact_blocks(stage) for stage in even_partition(names, len(plan.partition)))
     lines = [fmt(header).rstrip(), "  ".join("-" * w for w in widths), *(fmt(r).rstrip() for r in rows)]
     unit = f"per microbatch of {plan.microbatch_rows} x {plan.length}" if plan.cost_kind != "memory" else "per rank"
     lines.append(f"bottleneck stage: {cost_text(bottleneck, plan.cost_kind)} {unit} (even split: "

@@ -21,8 +21,9 @@ from lightning_mp_lstm.strategy.precision import NUMERICS
 
 __all__ = ["CHECKPOINT_FORMATS", "ProcessOptions"]
 
-#: ``"file"``: one file gathered on global rank 0; ``"sharded"``: every rank writes its own tensors.
-CHECKPOINT_FORMATS = ("file", "sharded")
+#: ``"file"``: one file gathered on global rank 0; ``"sharded"``: every rank writes its own tensors; ``"auto"``: one
+#: file where global rank 0 can hold the whole model and its optimizer state beside its own, else sharded.
+CHECKPOINT_FORMATS = ("auto", "file", "sharded")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import (
     ThroughputMonitor,
 )
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mp_lstm.base.faults import PeerDirectory, forget_object_groups, setup_object_group
@@ -34,14 +34,16 @@ from lightning_mp_lstm.models.declaration import ModelDeclarationError
 from lightning_mp_lstm.models.module_audit import NotReproducedWarning, audit, parameters_outside, render_findings
 from lightning_mp_lstm.pipeline.engine import PipelineEngine, ProcessGroups, build_engine
 from lightning_mp_lstm.pipeline.tied import TiedWeights
-from lightning_mp_lstm.planning.activations import check_activation_memory
 from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.memory import MemoryError_
 from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
+from lightning_mp_lstm.strategy.memory_check import check_memory
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.precision import REFUSED_PRECISIONS
 
 __all__ = ["assemble_engine", "check_automatic_optimization", "check_callbacks", "check_run", "end_process_groups",
-           "make_verifier", "plan_run", "replica_rows", "report_not_reproduced", "start_process_groups"]
+           "make_verifier", "plan_memory_of_run", "plan_run", "replica_rows", "report_not_reproduced",
+           "start_process_groups"]
 
 DEFAULT_ROWS = 32  # the batch assumed for planning when the data module does not say its own
 DEFAULT_LENGTH = 35
@@ -157,7 +159,7 @@ def replica_rows(datamodule: Any, layout: ParallelLayout) -> int:
 def check_run(
     blocks: PipelineModel, model_name: str, precision: Precision, layout: ParallelLayout, options: PlanOptions,
     process: ProcessOptions, datamodule: Any = None, planned: bool = False, fitting: bool = True,
-    device: torch.device | None = None, local_processes: int = 1,
+    device: torch.device | None = None, local_processes: int = 1, module: torch.nn.Module | None = None,
 ) -> None:
     """Everything about a run that can be wrong before its first collective (see ``MPLSTMStrategy.check``).
 
@@ -171,8 +173,10 @@ def check_run(
         datamodule: where the batch shape comes from.
         planned: a plan exists already (``validate``/``test``/``predict`` after ``fit`` keep it).
         fitting: the run trains (the batch must split into the microbatches; its activations must fit).
-        device: this process's device (the memory check's budget; ``None``: not checked).
+        device: this process's device (the memory plan's budget; ``None``: memory is not checked).
         local_processes: the processes on this node (they share its memory).
+        module: the module whose memory to plan (:func:`~lightning_mp_lstm.strategy.memory_check.check_memory`);
+            ``None``: memory is not checked.
     """
     name = getattr(precision, "precision", None)
     if getattr(precision, "scaler", None) is not None or name in REFUSED_PRECISIONS:
@@ -199,8 +203,31 @@ def check_run(
         process.check_batch(layout, datamodule)
     if layout.time_chunks > 1 and not options.auto_time_chunks:
         layout.check_time_chunks(getattr(datamodule, "bucket_lengths", None) or [])
-    if fitting and device is not None:
-        check_activation_memory(blocks, layout, datamodule, *process.memory_budget(device, local_processes))
+    if fitting and device is not None and module is not None:
+        plan_memory_of_run(module, blocks, layout, options, process, datamodule, device, local_processes)
+
+
+def plan_memory_of_run(module: torch.nn.Module, blocks: PipelineModel, layout: ParallelLayout, options: PlanOptions,
+                       process: ProcessOptions, datamodule: Any, device: torch.device, local_processes: int,
+                       plan: PipelinePlan | None = None) -> Any:
+    """The run's memory plan against what a process may use, refused when some process cannot hold its share (for
+    the ``plan`` 's partition, or before planning for the partition that holds the least); the one-file checkpoint is
+    counted unless the format is ``"sharded"`` (``"auto"`` saves sharded where one file would not fit)."""
+    budget, source = process.memory_budget(device, local_processes)
+
+    def budget_for(other: ParallelLayout) -> tuple[int | None, str]:
+        return process.memory_budget(device, other.world_size) if process.memory_per_process == "auto" else (
+            budget, source)
+
+    arguments = (blocks, module, plan.layout if plan else layout, options, datamodule, budget, source, budget_for,
+                 [list(stage) for stage in plan.partition] if plan else None)
+    if process.checkpoint_format == "auto":
+        try:
+            return check_memory(*arguments, one_file_checkpoint=True), "file"
+        except MemoryError_:
+            return check_memory(*arguments), "sharded"
+    return check_memory(*arguments, one_file_checkpoint=process.checkpoint_format == "file"), \
+        process.checkpoint_format
 
 
 def plan_run(
@@ -261,13 +288,19 @@ def make_verifier(module: torch.nn.Module, blocks: PipelineModel, reference: boo
                   precision: Precision) -> Any:
     """The :class:`~lightning_mp_lstm.strategy.verify.Verifier` of ``module`` 's declaration
     (``MPLSTMStrategy(verify=True)``): with ``reference`` (global rank 0), a whole copy of the module as it will train
-    (real values on ``device``, in the run's precision), taken before the pipeline prunes it."""
+    (real values on ``device``, in the run's precision), taken before the pipeline prunes it. ``None`` (skipped, with
+    one line) for a module built on the meta device: the check would materialize the whole model on one process."""
     from lightning_mp_lstm.strategy.verify import Verifier  # only for verify=True
 
     declaration = getattr(blocks, "declaration", None)
     if declaration is None:
         raise TypeError("verify=True compares a module with its LSTMBlocks declaration; a custom pipeline model has "
                         "no training_step of its own to compare with")
+    if any(p.is_meta for p in module.parameters()):  # every rank was built the same way: the same decision
+        rank_zero_info(f"mp_lstm: verify=True skipped: {type(module).__name__} was built on the meta device "
+                       "(trainer.init_module(empty_init=True)), and no process holds the whole model to run its own "
+                       "training_step; build it normally to check the declaration")
+        return None
     copy_ = None
     if reference:
         copy_ = copy.deepcopy(module)

@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mp_lstm import checkpoint as ckpt
-from lightning_mp_lstm.base.faults import PeerDirectory
+from lightning_mp_lstm.base.allocator import return_freed_memory
+from lightning_mp_lstm.base.faults import PeerDirectory, result_from
 from lightning_mp_lstm.base.validation import check_bool
 from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
 from lightning_mp_lstm.models.binding import pipeline_model
@@ -59,6 +60,7 @@ from lightning_mp_lstm.strategy.pipeline_setup import (
     check_callbacks,
     check_run,
     make_verifier,
+    plan_memory_of_run,
     plan_run,
     report_not_reproduced,
     start_process_groups,
@@ -107,7 +109,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
             ``None``: never).
         checkpoint_format: ``"file"``: one checkpoint file, gathered on global rank 0 while saving (loads anywhere,
             plain Lightning included); ``"sharded"``: a directory where every rank writes its own tensors with
-            ``torch.distributed.checkpoint`` (nothing is gathered; loads on any ``mp_lstm`` layout).
+            ``torch.distributed.checkpoint`` (nothing is gathered; loads on any ``mp_lstm`` layout); ``"auto"``: one
+            file where the memory plan says global rank 0 can gather the whole model and its optimizer state beside
+            its own share, else sharded.
         timeout: process-group timeout (seconds or ``timedelta``): a crashed rank ends the run instead of hanging
             it.
         num_threads: CPU threads per process; ``"auto"`` shares the machine's cores between the local processes.
@@ -118,7 +122,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
             the pipeline on it (:mod:`~lightning_mp_lstm.strategy.verify`); a difference stops the run, naming it.
         process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
         memory_per_process: GiB of memory one process may use (``"auto"``: the GPU's, or the machine's over its
-            processes): a run whose largest training batch needs more for its activations is refused before launch.
+            processes): the memory plan (parameters, gradients, optimizer state, activations in flight and the loss's
+            logits of every process, predicted from shapes) is checked against it, and a layout some process of which
+            cannot hold its share is refused before launch, with the table and the layouts that would fit.
         stop_signals: signals that stop every rank at a step boundary (the next but one) with a checkpoint
             (:class:`~lightning_mp_lstm.strategy.stopping.StopOnSignal`, added to the Trainer); ``()``: Lightning's
             handling.
@@ -140,7 +146,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         balance_by: str = "time",
         stage_speeds: Sequence[float] | None = None,
         report_after_steps: int | None = 5,
-        checkpoint_format: str = "file",
+        checkpoint_format: str = "auto",
         timeout: float | timedelta = 300.0,
         num_threads: int | str = "auto",
         numerics: str = "default",
@@ -176,7 +182,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         self._step_clock = report.StepClock(report_after_steps)
         self._peers: PeerDirectory | None = None
         self._model_names = ckpt.ModelNames()
-        self._checkpoints = ckpt.checkpoint_format(self._process.checkpoint_format)
+        self._checkpoints = ckpt.checkpoint_format("file" if self._process.checkpoint_format == "auto"
+                                                   else self._process.checkpoint_format)
+        self._memory: Any = None  # the run's memory plan (planning.memory.MemoryPlan), when the data gives a batch
         self._verify = check_bool("verify", verify)
         self._verifier: Any = None  # a verify.Verifier with verify=True
         if self._process.fixed_world_size is not None:
@@ -258,9 +266,12 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         # Everything that can be wrong is checked here, on every rank, before the first collective.
         trainer = self.lightning_module.trainer
         check_callbacks(trainer.callbacks, layout)
-        self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING)
+        # Memory is planned once the processes can agree (every rank takes global rank 0's plan: _build_engine).
+        self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING,
+                   memory=False)
         if self.root_device.type == "cpu":
             torch.set_num_threads(self._process.threads(self.num_processes))
+            return_freed_memory()  # a rank's peak is then what it holds (lightning_mp_lstm.base.allocator)
         set_numerics(self._process.numerics)
         reset_seed()
         self.set_world_ranks()
@@ -271,7 +282,8 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
             self._device_mesh, self._peers = start_process_groups(
                 self.cluster_environment, self._process_group_backend, self.root_device, layout, self._process.timeout)
 
-    def check(self, model: pl.LightningModule, datamodule: Any = None, fitting: bool = True) -> None:
+    def check(self, model: pl.LightningModule, datamodule: Any = None, fitting: bool = True,
+              memory: bool = True) -> None:
         """Check that this strategy can run ``model`` on ``datamodule``'s batches, without starting anything.
 
         Runs on every rank before the first collective (so a bad setting fails everywhere at once instead of hanging
@@ -284,7 +296,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
                 batch shape and the data module does not say it.
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
             LayoutError: ``n_microbatches`` does not fit the batch, or ``time_chunks`` the shortest bucket.
-            ActivationMemoryError: the largest training batch's activations cannot fit ``memory_per_process``.
+            MemoryError_: ``fitting`` (and ``memory``) and some process of the layout cannot hold its share of the
+                model, its optimizer state and the largest training batch's activations within ``memory_per_process``
+                (for the partition that holds the least when the partition is measured later).
         """
         if fitting:
             check_automatic_optimization(model)
@@ -292,7 +306,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         device = self.root_device if self.parallel_devices else None
         check_run(blocks, type(model).__name__, self.precision_plugin, self.layout, self._options, self._process,
                   datamodule, planned=self._plan is not None, fitting=fitting, device=device,
-                  local_processes=self.num_processes)
+                  local_processes=self.num_processes, module=model if memory else None)
         if self._engine_module is not model:  # the whole module, before pruning (each warning shows once)
             report_not_reproduced(model, blocks, warn=self.global_rank == 0,
                                   split=self.layout.processes_per_replica > 1)
@@ -352,8 +366,10 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
             self._plan = plan_run(blocks, self.layout, self._options, trainer.datamodule, self.precision_plugin,
                                   self.root_device)
             if trainer.state.fn == TrainerFn.FITTING:
+                self._plan_memory(module, blocks, trainer.datamodule)
+                table = f"\n{self._memory.table()}" if self._memory is not None else ""
                 rank_zero_info(f"mp_lstm: {self._plan.layout}\npartition (costs by {self._plan.cost_kind}):\n"
-                               f"{self.report}")
+                               f"{self.report}{table}")
         if self._model_names.state_keys is None:  # the whole model, before pruning
             self._model_names = ckpt.ModelNames.of(module)
         if self._verify and trainer.state.fn == TrainerFn.FITTING and self._verifier is None:
@@ -361,6 +377,21 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
                                            self.precision_plugin)
         return assemble_engine(module, blocks, self._plan, self.device_mesh, self.global_rank, self.root_device,
                                dict(self._model_names.aliases))
+
+    def _plan_memory(self, module: pl.LightningModule, blocks: Any, datamodule: Any) -> None:
+        """The plan's memory on every process, global rank 0's decision everywhere (a refusal fails every rank before
+        any block is materialized); ``checkpoint_format="auto"`` becomes one file or sharded here."""
+        self._memory, chosen = result_from(0, lambda: plan_memory_of_run(
+            module, blocks, self.layout, self._options, self._process, datamodule, self.root_device,
+            self.num_processes, self._plan))
+        self._checkpoints = ckpt.checkpoint_format(chosen)
+
+    @property
+    def memory(self) -> Any:
+        """The run's memory plan (:class:`~lightning_mp_lstm.planning.memory.MemoryPlan`: every process's predicted
+        peak by what holds it, and the budget), once fitting has planned it; ``None`` before, or when the data does
+        not give its batch shape."""
+        return self._memory
 
     @override
     def model_to_device(self) -> None:

@@ -21,8 +21,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
+
+from lightning_mp_lstm.models.shapes import fake_parameters
 
 __all__ = ["LSTM_FLOP_FORMULAS", "CountingSummary", "PipelineModelSummary", "WholeModelSummary", "install"]
 
@@ -75,7 +78,8 @@ class WholeModelSummary(CountingSummary):
     when the model is pruned afterwards.
 
     A model on the meta device (``train.py`` builds it there) is counted as it is; its forward on
-    ``example_input_array`` (FLOPs, in and out sizes) runs on an uninitialized CPU copy, which lives for that call.
+    ``example_input_array`` (FLOPs, in and out sizes) runs on a copy whose parameters are torch's fake tensors: shapes
+    only, so no process ever allocates the whole model for its summary.
     """
 
     def __init__(self, model: pl.LightningModule, max_depth: int = 1) -> None:
@@ -90,14 +94,15 @@ class WholeModelSummary(CountingSummary):
         finally:
             model.example_input_array = example
         if meta and example is not None:
-            runnable = copy.deepcopy(model).to_empty(device="cpu")
-            # Lightning's device of the model is the strategy's (its setup hook sets it) and to_empty leaves it:
-            # the example input would be moved there, away from this copy.
-            runnable.to(device="cpu")
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            runnable = fake_parameters(copy.deepcopy(model), mode, torch.device("cpu"))
+            # Lightning moves the example input to the module's device, the strategy's (its setup hook sets it).
+            runnable._device = torch.device("cpu")
             runnable.example_input_array = example
-            shapes = CountingSummary(runnable, max_depth)
-            frozen.update({name: getattr(shapes, name) for name in ("in_sizes", "out_sizes", "flop_counts",
-                                                                    "total_flops")})
+            with mode:
+                shapes = CountingSummary(runnable, max_depth)
+                frozen.update({name: getattr(shapes, name) for name in ("in_sizes", "out_sizes", "flop_counts",
+                                                                        "total_flops")})
             del runnable, shapes
         self._frozen = frozen
         self._layer_summary = OrderedDict.fromkeys(self._layer_summary)  # its layer names, not the layers

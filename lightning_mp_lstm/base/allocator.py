@@ -1,0 +1,37 @@
+"""Freed host memory goes back to the operating system, so that a process's peak is what it held at once.
+
+PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves an allocation above its *mmap threshold*
+from its own mapping and unmaps it when freed, but raises the threshold (up to 32 MiB) whenever such a block is
+freed: after that, tensors of a few MiB come from the heap, and a heap keeps what is freed in its middle. A pipeline
+rank that builds its blocks, times copies of them and runs microbatches of several sizes then holds freed memory on
+top of its live memory (70-120 MiB per rank on MXNet's 8 x 1024 model under pp4, measured with
+``benchmarks/memory.py``), and its peak is no longer what the memory plan predicts. :func:`return_freed_memory` fixes
+the threshold instead (``mallopt(M_MMAP_THRESHOLD)``, which also stops its adjustment): every allocation from 1 MiB up
+is mapped on its own and returned when freed. Smaller ones, the bulk of a small model's tensors, are unaffected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+__all__ = ["MMAP_THRESHOLD", "return_freed_memory"]
+
+#: Allocations from this many bytes up are mapped on their own (and unmapped when freed).
+MMAP_THRESHOLD = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+
+
+def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes in this process (Linux with glibc only); left alone when the
+    environment sets ``MALLOC_MMAP_THRESHOLD_`` (the user chose). Returns whether it was set."""
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    mallopt = getattr(libc, "mallopt", None)  # glibc's; musl has none
+    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(threshold)))

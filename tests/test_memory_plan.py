@@ -1,0 +1,185 @@
+"""The memory plan: every process's peak predicted from shapes (nothing allocated), a layout that cannot fit refused
+before launch with its table and the layouts that would, the one-file checkpoint only where rank 0 can gather it, and
+no rank ever allocating another rank's blocks (counted).
+
+How close the prediction comes to measured peaks is a benchmark (``benchmarks/wt103.py``), not a test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
+from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.memory import BatchShape, MemoryError_, ModelMemory, plan_memory, process_floor
+from lightning_mp_lstm.strategy.memory_check import optimizer_state_factor
+from lightning_mp_lstm.strategy.options import ProcessOptions
+from lightning_mp_lstm.strategy.pipeline_setup import plan_memory_of_run
+from tests.helpers import ROOT, FixedBatches, quiet_trainer, run_ranks, tiny_model
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(("options", "factor"), [(dict(optimizer="adam"), 2.0), (dict(optimizer="sgd"), 0.0),
+                                                 (dict(optimizer="sgd", momentum=0.9), 1.0)])
+def test_the_optimizer_state_is_read_from_the_module_s_own_optimizer(options, factor):
+    assert optimizer_state_factor(tiny_model(**options))[0] == factor
+    with torch.device("meta"):  # built on the meta device, as train.py builds it
+        assert optimizer_state_factor(tiny_model(**options))[0] == factor
+
+
+def test_the_plan_adds_up_what_each_process_holds():
+    model = ModelMemory(parameters={"embedding": 100 * MIB, "lstm.0": 10 * MIB, "lstm.1": 10 * MIB,
+                                    "decoder": 50 * MIB},
+                        activations={"embedding": 1000.0, "lstm.0": 8000.0, "lstm.1": 8000.0, "decoder": 500.0},
+                        vocabulary=10_000, slice_tokens=64, optimizer_factor=2.0)
+    layout = ParallelLayout(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=4)
+    batch = BatchShape(rows=16, length=50)
+    plan = plan_memory(model, layout, [["embedding", "lstm.0"], ["lstm.1", "decoder"]], batch, floor=300 * MIB,
+                       budget=1000 * MIB, source="a test", one_file_checkpoint=True)
+    first, last = plan.ranks
+    assert (first.parameters, first.gradients, first.optimizer) == (110 * MIB, 110 * MIB, 220 * MIB)
+    # 1F1B: stage 0 keeps 2 microbatches of 4 rows x 50 tokens in flight, the last stage 1.
+    assert first.activations == 2 * 4 * 50 * (1000 + 8000) and last.activations == 4 * 50 * (8000 + 500)
+    assert first.loss == 0 and last.loss == 3 * 64 * 10_000 * 4  # three copies of a 64-token slice of logits
+    assert first.saving == 60 * MIB * 3 and last.saving == 0  # rank 0 receives the other ranks' parameters and Adam
+    assert first.temporary == 100 * MIB and last.temporary == 50 * MIB  # the largest block's fresh gradient
+    assert first.total == 300 * MIB + 440 * MIB + first.activations + 100 * MIB + 180 * MIB and not plan.fits
+    assert plan.peak == first.total
+    table = plan.table()
+    assert "budget 1,000 MiB per process (a test)" in table and "embedding, lstm.0" in table
+    tied = plan_memory(ModelMemory(**{**model.__dict__, "tied_copy": 100 * MIB}), layout,
+                       [["embedding", "lstm.0"], ["lstm.1", "decoder"]], batch, 0)
+    assert tied.ranks[1].parameters == 160 * MIB  # the decoder's copy of the embedding's matrix
+
+
+_PROBE = """
+import resource, torch
+from lightning_mp_lstm import LSTMLanguageModel
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.strategy.memory_check import model_memory
+with torch.device("meta"):
+    model = LSTMLanguageModel(267_735, 1024, 2048, 4)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+memory = model_memory(pipeline_model(model), model)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(sum(memory.parameters.values()), after - before)
+"""
+
+
+def test_planning_a_model_larger_than_the_machine_allocates_none_of_it():
+    """A 950-million-parameter model (3.5 GiB of float32 weights, 14 GiB with Adam) is planned, its activations
+    probed block by block, in a process whose peak memory grows by less than 100 MiB."""
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    parameters, grown_kib = map(int, done.stdout.split())
+    assert parameters > 3.5 * 2**30
+    assert grown_kib < 100 * 1024, grown_kib
+
+
+def _big_model() -> LSTMLanguageModel:
+    with torch.device("meta"):  # 2 x 25.6 M parameters in the vocabulary layers: 0.8 GiB with Adam
+        return LSTMLanguageModel(100_000, 256, 256, 2, optimizer="adam")
+
+
+def test_a_layout_that_cannot_fit_is_refused_before_launch_with_the_table_and_the_layouts_that_fit():
+    # The model's state takes 0.8 GiB on one process, 0.4 GiB on each of two: a budget between them, over the floor
+    # every process of this one's kind holds (its imports and data, measured in the planning process).
+    gib = round(process_floor() / 2**30 + 0.6, 2)
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, memory_per_process=gib, report_after_steps=None)
+    pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
+    model = _big_model()
+    with pytest.raises(MemoryError_) as refused:
+        strategy.check(model, FixedBatches())
+    message = str(refused.value)
+    assert "1 process(es) of ParallelLayout(" in message and f"more than the {gib:.2f} GiB a process may use " \
+        f"(strategy.memory_per_process={gib})" in message
+    assert "mostly parameters, gradients and optimizer state" in message
+    assert "rank  blocks" in message and "embedding, lstm.0-1, decoder" in message
+    assert "Layouts that fit: " in message and "layout=pp2 (" in message  # each rank holds one vocabulary layer
+    roomy = MPLSTMStrategy(pipeline_parallel_size=1, memory_per_process=64, report_after_steps=None)
+    pl.Trainer(strategy=roomy, accelerator="cpu", devices=1, logger=False)
+    roomy.check(model, FixedBatches())  # fits: no error
+
+
+def test_the_one_file_checkpoint_is_chosen_only_where_rank_zero_can_gather_the_model():
+    model = _big_model()
+    blocks = pipeline_model(model)
+    layout = ParallelLayout(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2)
+    options = MPLSTMStrategy(pipeline_parallel_size=2)._options
+    cpu = torch.device("cpu")
+
+    def chosen(gib: float, fmt: str = "auto") -> tuple:
+        process = ProcessOptions(pipeline_parallel_size=2, memory_per_process=gib, checkpoint_format=fmt)
+        plan, kind = plan_memory_of_run(model, blocks, layout, options, process, FixedBatches(), cpu, 2)
+        return plan.ranks[0].saving, kind
+
+    saving, kind = chosen(64)
+    others = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("lstm.1", "decoder")))
+    assert kind == "file" and saving == others * 4 * 3  # rank 0 receives rank 1's parameters and Adam's 2 states
+    training = plan_memory_of_run(model, blocks, layout, options, ProcessOptions(
+        pipeline_parallel_size=2, memory_per_process=64, checkpoint_format="sharded"), FixedBatches(), cpu, 2)[0]
+    between = (training.peak + saving / 2) / 2**30
+    assert chosen(between) == (0, "sharded")
+    with pytest.raises(MemoryError_, match=r"saving a one-file checkpoint gathers the whole model .* Save sharded"):
+        chosen(between, "file")
+
+
+class _Allocations(TorchDispatchMode):
+    """Every 2-D shape a real (not meta, not fake) tensor took on this process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in _pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and not tensor.is_meta \
+                    and type(tensor) is torch.Tensor:
+                self.shapes.add(tuple(tensor.shape))
+        return out
+
+
+#: Block shapes no other block has: vocabulary 1,009 words, embedding 11 wide, hidden 13.
+_EMBEDDING, _DECODER, _FIRST_LAYER = (1009, 11), (1009, 13), (52, 11)
+
+
+def _counted_worker(rank: int, world_size: int, checkpoint: str) -> list:
+    warnings.filterwarnings("ignore")
+    strategy = MPLSTMStrategy(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2, checkpoint_format="sharded",
+                              report_after_steps=None, timeout=60)
+    trainer = quiet_trainer(strategy, world_size, max_steps=2, enable_model_summary=True)
+    with trainer.init_module(empty_init=True):
+        model = LSTMLanguageModel(1009, 11, 13, 3, optimizer="adam", lr=0.01)
+    model.example_input_array = torch.zeros((4, 5), dtype=torch.long)  # the whole model's summary counts FLOPs
+    data = FixedBatches()
+    recorder = _Allocations()
+    with recorder:
+        strategy.check(model, data)  # what train.py runs before launch, here on every rank
+        trainer.fit(model, datamodule=data)
+        trainer.save_checkpoint(checkpoint)
+    return sorted(recorder.shapes)
+
+
+@pytest.mark.timeout(120)
+def test_no_rank_ever_allocates_another_rank_s_blocks(tmp_path):
+    """Checks, the plan, the summary, training and a sharded checkpoint: rank 0 (embedding, lstm.0) never makes a
+    tensor of the decoder's shape, rank 1 (lstm.1-2, decoder) none of the embedding's or the first layer's."""
+    shapes = run_ranks(_counted_worker, 2, str(tmp_path / "sharded.ckpt"), timeout=110)
+    first, second = ({tuple(s) for s in rank} for rank in shapes)
+    assert _EMBEDDING in first and _FIRST_LAYER in first  # what the counting sees on a rank's own blocks
+    assert _DECODER in second
+    assert not {_DECODER, _DECODER[::-1]} & first, sorted(first)
+    assert not {_EMBEDDING, _EMBEDDING[::-1], _FIRST_LAYER, _FIRST_LAYER[::-1]} & second, \
+        {_EMBEDDING, _EMBEDDING[::-1], _FIRST_LAYER, _FIRST_LAYER[::-1]} & second
