@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, resolve_stored
-from benchmarks.schema import SECTIONS
+from benchmarks.schema import OPTIONAL_SECTIONS, SECTIONS
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -83,7 +83,8 @@ COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], str]]]] = {
     "memory": [
         _col("layout", "layout"), _col("rank", "rank"), _col("blocks", "blocks"), _col("parameters", "params"),
         _col("floor MiB", "floor_mib", _mib), _col("training MiB", "training_mib", _mib),
-        _col("after one-file save", "file_save_mib", _mib), _col("after sharded save", "sharded_save_mib", _mib),
+        _col("predicted MiB", "predicted_mib", _mib), _col("after one-file save", "file_save_mib", _mib),
+        _col("after sharded save", "sharded_save_mib", _mib),
         _col("**training / 1 process**", "ratio", _fixed_digits(2))],
     "strategy_overhead": [
         _col("layout", "layout"), _col("schedule", "schedule"), _col("bare tokens/s", "bare_tokens_per_s", _whole),
@@ -96,6 +97,13 @@ COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], str]]]] = {
         _col("predicted s/step", "predicted_s", _fixed_digits(3)), _col("predicted rank", "predicted_rank"),
         _col("measured s/step", "measured_s", _fixed_digits(3)), _col("measured rank", "measured_rank"),
         _col("tokens/s", "tokens_per_s", _whole)],
+    "wikitext103": [
+        _col("run", "run"), _col("command", "command", lambda c: f"`{c}`"), _col("exit", "exit"),
+        _col("seconds", "seconds", _whole),
+        _col("peak anonymous MiB per process", "anon_mib", lambda v: ", ".join(f"{x:,.0f}" for x in v)),
+        _col("VmHWM MiB per process", "hwm_mib", lambda v: ", ".join(f"{x:,.0f}" for x in v)),
+        _col("memory plan's peak MiB", "predicted_mib", lambda v: ", ".join(f"{x:,.0f}" for x in v) if v else "-"),
+        _col("s/step", "step_s", lambda v: "-" if v is None else f"{v:.2f}")],
     "wavefront": [
         _col("run", "variant"), _col("processes", "processes"), _col("m x k", "units", str),
         _col("step ms", "step_s", _ms), _col("tokens/s", "tokens_per_s", _whole),
@@ -248,7 +256,7 @@ def render(results: dict[str, Any], page: Path | None = None) -> str:
              "Goals met: " + ", ".join(f"{sum(g['met'] for g in s['goals'])} of {len(s['goals'])} ({s['title']})"
                                        for s in results["sections"].values() if s["goals"]) + ".", ""]
     pictures = results.get("pictures", {})
-    for name in SECTIONS:
+    for name in (*SECTIONS, *OPTIONAL_SECTIONS):
         section = results["sections"].get(name)
         if section is None:
             continue

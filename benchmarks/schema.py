@@ -10,6 +10,9 @@ SCHEMA = "lightning_mp_lstm.benchmarks/1"
 #: The sections of a result, in page order.
 SECTIONS = ("pipeline_bound", "layouts", "partition_regret", "bucketing", "memory", "strategy_overhead", "advice",
             "wavefront")
+#: Sections a script of their own measures and adds to the results (``benchmarks/wt103.py --results``): rendered
+#: after :data:`SECTIONS` when present, never measured by ``benchmarks/run.py``.
+OPTIONAL_SECTIONS = ("wikitext103",)
 
 
 class SchemaError(ValueError):
@@ -32,11 +35,14 @@ ROW_FIELDS: dict[str, dict[str, str]] = {
     "bucketing": {"buckets": "str", "lengths": "list[int]", "real_tokens_per_s": "pos", "step_s": "pos",
                   "padded_fraction": "frac", "batch_padded_fraction": "frac", "speedup": "pos"},
     "memory": {"layout": "str", "rank": "int", "blocks": "str", "params": "int", "floor_mib": "num",
-               "training_mib": "pos", "file_save_mib": "pos?", "sharded_save_mib": "pos?", "ratio": "pos"},
+               "training_mib": "pos", "predicted_mib": "pos?", "file_save_mib": "pos?", "sharded_save_mib": "pos?",
+               "ratio": "pos"},
     "strategy_overhead": {"layout": "str", "schedule": "str", "bare_tokens_per_s": "pos",
                           "strategy_tokens_per_s": "pos", "ratio": "pos", "outside_ms": "str", "timed_steps": "int"},
     "advice": {"model": "str", "candidate": "str", "layout": "str", "predicted_s": "pos", "measured_s": "pos",
                "tokens_per_s": "pos", "predicted_rank": "int", "measured_rank": "int"},
+    "wikitext103": {"run": "str", "command": "str", "exit": "int", "seconds": "pos", "anon_mib": "list[pos]",
+                    "hwm_mib": "list[pos]", "predicted_mib": "list[pos]?", "step_s": "pos?"},
     "wavefront": {"variant": "str", "processes": "int", "schedule": "str", "m": "int", "k": "int", "units": "int",
                   "step_s": "pos", "tokens_per_s": "pos", "x_one_process": "pos", "bound_s": "pos?", "ratio": "pos?",
                   "bubble_measured": "num?", "bubble_predicted": "frac?", "peak_mib": "list[pos]",
@@ -92,7 +98,7 @@ def validate(results: dict[str, Any], sections: Sequence[str] = SECTIONS) -> Non
         if not isinstance((results.get("machine") or {}).get(key), kind):
             problems.append(f"machine.{key} missing or not {kind.__name__}")
     found = results.get("sections") if isinstance(results.get("sections"), dict) else {}
-    unknown = set(found) - set(SECTIONS)
+    unknown = set(found) - set(SECTIONS) - set(OPTIONAL_SECTIONS)
     if unknown:
         problems.append(f"unknown sections {sorted(unknown)}")
     for name in sections:

@@ -251,6 +251,7 @@ def _stand_ins(tmp: Path, checkpoint: Path | None) -> dict[str, str]:
             (ptb / f"ptb.{split}.txt").write_text(text)
             (wiki / f"wiki.{split}.tokens").write_text(text)
     out = {"/data/ptb": ptb, "/path/to/ptb": ptb, "/shared/ptb": ptb, "/path/to/wikitext-2": wiki,
+           "/path/to/wikitext-103": wiki,
            "/scratch/checkpoints": tmp / "scratch", "/shared/tensorboard/run1": tmp / "tensorboard",
            "runs/first": tmp / "runs-first", "sweeps/layouts": tmp / "sweeps"}
     for folder in ("/data", "/d", "/data/ptb"):
