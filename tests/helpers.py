@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
+import re
 import signal
+import struct
 import subprocess
+import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -40,7 +44,14 @@ SMALL_SYNTHETIC = ["data.synthetic.num_train=300", "data.synthetic.num_valid=40"
 RELIABILITY_MESSAGES = {
     "stopped by a signal": r"mp_lstm: stopped by SIGTERM at global step \d+ \(epoch \d+, after batch_idx \d+ of "
                            r"\d+\); saved a checkpoint to \S+last\.ckpt; resume from it with ckpt_path=\S+last\.ckpt",
-    "stopped by a signal, train.py's last line": r"Resume with: python train\.py( \S+)* ckpt_path=\S+last\.ckpt",
+    "stopped by a signal, train.py's last line": r"Resume with: python train\.py( \S+)* hydra\.run\.dir=\S+ "
+                                                 r"ckpt_path=\S+last\.ckpt",
+    "Ctrl-C twice": r"mp_lstm: SIGINT again: ended every process at once; (the stop's checkpoint of global step \d+ "
+                    r"was written to \S+last\.ckpt|the stop's checkpoint was not written; \S+ holds the last "
+                    r"checkpoint written before it|no checkpoint of this run was written)",
+    "a port another run holds": r"MASTER_PORT=\d+: port \d+ is already in use on this machine: another run \(or "
+                                r"another program\) listens on it, so this run's rank 0 cannot\. Give this run a free "
+                                r"port \(MASTER_PORT=<another port>\), or unset MASTER_PORT and a free one is chosen",
     "a failure without a message": r"mp_lstm: rank 0 stopped because it lost a peer: rank 1 \(pid \d+ on \S+\) failed "
                                    r"with RuntimeError \(no message\) at \w+\.py:\d+ in \w+\. Transport error: ",
     "a rank stopped (SIGSTOP)": r"mp_lstm: rank 0 stopped because it lost a peer: rank 1 \(pid \d+ on \S+\) is "
@@ -443,6 +454,43 @@ def threads_at_exit(output: str, script: str) -> dict[int, list[str]]:
             if name == script:
                 found[int(pid)] = threads.split(",") if threads else []
     return found
+
+
+# ----- damaged checkpoints ---------------------------------------------------------------------------------
+def _storage_ranges(path: Path) -> list[tuple[Path, int, int]]:
+    """``(file, offset, length)`` of every tensor storage of a checkpoint file in torch's zip format."""
+    ranges = []
+    with zipfile.ZipFile(path) as archive, path.open("rb") as handle:
+        for info in archive.infolist():
+            if re.search(r"(^|/)data/[^/]+$", info.filename) and info.file_size >= 4:
+                handle.seek(info.header_offset + 26)
+                name_length, extra_length = struct.unpack("<HH", handle.read(4))
+                ranges.append((path, info.header_offset + 30 + name_length + extra_length, info.file_size))
+    return ranges
+
+
+def _block_ranges(directory: Path) -> list[tuple[Path, int, int]]:
+    """``(file, offset, length)`` of every tensor block of a sharded checkpoint directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    return [(directory / info.relative_path, info.offset, info.length)
+            for index, info in metadata.storage_data.items()
+            if isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata) and info.length >= 4]
+
+
+def damage_tensor_bytes(path: Path, count: int = 50, seed: int = 0) -> None:
+    """Flip ``count`` bits of the tensor bytes of a checkpoint file, or of a sharded checkpoint directory's blocks,
+    in place, each in the two low bytes of a float32 (its mantissa): every value stays finite, as after a disk or a
+    copy damaged it."""
+    places = _block_ranges(path) if path.is_dir() else _storage_ranges(path)
+    rng = random.Random(seed)
+    for _ in range(count):
+        file, offset, length = rng.choice(places)
+        data = bytearray(file.read_bytes())
+        data[offset + 4 * rng.randrange(length // 4) + rng.randrange(2)] ^= 1 << rng.randrange(8)
+        file.write_bytes(bytes(data))
 
 
 # ----- what a run left where -------------------------------------------------------------------------------

@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch.overrides import TorchFunctionMode
 
 from lightning_mp_lstm.app.training import train
+from lightning_mp_lstm.checkpoint.integrity import with_record
 from lightning_mp_lstm.strategy import launcher
-from tests.helpers import ONE_PROCESS, ROOT, SMALL_SYNTHETIC, TINY_RUN, run_command_and_leftovers
+from tests.helpers import ONE_PROCESS, ROOT, SMALL_SYNTHETIC, TINY_RUN, damage_tensor_bytes, run_command_and_leftovers
 
 TINY, SYNTHETIC = TINY_RUN, SMALL_SYNTHETIC
 
@@ -133,6 +136,7 @@ CASES = [
          r"download=True is only available for source='ptb'"),
     # ----- data sizes
     Case("data: batch of 0", ["data.batch_size=0"], r"batch_size must be a positive integer, got 0"),
+    Case("data: a negative batch", ["data.batch_size=-3"], r"^data.batch_size must be a positive integer, got -3$"),
     Case("data: token budget below a bucket", ["data.batch_size=null", "data.max_tokens=10", "buckets=mxnet"],
          r"bucket of length \d+ allows only 0 sentences per global batch"),
     Case("data: fewer sentences than replicas", ["layout=dp2", "data.synthetic.num_train=1"],
@@ -166,6 +170,11 @@ CASES = [
          r"checkpoint .*nan.ckpt holds non-finite values: lstm.0.weight_hh_l0 has 1 NaN or infinite value\(s\) of "
          r"1,024; the file is damaged or was saved after training diverged: resume from an earlier checkpoint",
          "CheckpointError", files={"nan": "nan_checkpoint"}),
+    Case("checkpoint: damaged, every value finite", ["ckpt_path={damaged}"],
+         r"checkpoint .*damaged.ckpt is damaged: \d+ of its \d+ tensors differ from the CRC-32 checksums recorded when "
+         r"it was written: [\w.]+(, [\w.' ]+)*( and \d+ more)?; it was damaged after it was written \(on disk or in a "
+         r"copy\): resume from an earlier checkpoint, or from another copy of this one", "CheckpointError",
+         files={"damaged": "damaged_checkpoint"}),
     Case("checkpoint: truncated, on two processes", ["layout=pp2", "ckpt_path={truncated}"],
          r"cannot be read: it is truncated or not a checkpoint", "CheckpointError",
          files={"truncated": "truncated_checkpoint"}),
@@ -192,11 +201,16 @@ def _make_file(kind: str, directory: Path, good: Path) -> Path:
         data = good.read_bytes()
         path.write_bytes(data[: len(data) // 2])
         return path
-    if kind == "nan_checkpoint":  # one bit pattern gone wrong: a NaN in a recurrent weight
+    if kind == "nan_checkpoint":  # saved after training diverged: a NaN in a recurrent weight, its checksums its own
         path = directory / "nan.ckpt"
         checkpoint = torch.load(good, weights_only=False)
         checkpoint["state_dict"]["lstm.0.weight_hh_l0"][3, 5] = float("nan")
-        torch.save(checkpoint, path)
+        torch.save(with_record(checkpoint), path)
+        return path
+    if kind == "damaged_checkpoint":  # 50 flipped bits, every value still finite: a disk or a copy damaged it
+        path = directory / "damaged.ckpt"
+        shutil.copy(good, path)
+        damage_tensor_bytes(path)
         return path
     if kind == "long_line":  # 300 lines of 5 to 30 words, and line 8 of 100,000
         path = directory / "long.txt"
@@ -272,3 +286,77 @@ def test_the_matrix_covers_every_kind_of_input_and_the_docs_list_every_case():
     table = (ROOT / "docs" / "reliability.md").read_text().split("## The bad-input matrix", 1)[1]
     listed = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert sorted(re.sub(r" \(2 processes\)$", "", c) for c in listed[1:]) == sorted(c.id for c in CASES)
+
+
+# ----- every option that takes a number ----------------------------------------------------------------------------
+#: The config groups ``train.py`` builds a run from whose options docs/configuration.md documents (the trainer's are
+#: Lightning's, checked by its Trainer).
+GROUPS = ("data", "buckets", "model", "layout", "schedule", "partition", "strategy", "callbacks")
+#: Options that take a number but are null or 'auto' in the default config (the walk finds those set to a number).
+NUMBERS_NOT_SET_BY_DEFAULT = ("data.max_tokens", "data.eval_batch_size", "buckets.max_length", "layout.stages_per_rank",
+                              "layout.pipeline_parallel_size", "schedule.n_microbatches", "partition.stage_speeds",
+                              "strategy.num_threads", "strategy.memory_per_process", "callbacks.divergence.patience")
+
+
+def _number_options(cfg: DictConfig) -> dict[str, str]:
+    """Every option of :data:`GROUPS` (and ``seed``) that takes a number or a list of numbers, with a bad value."""
+    found = {"seed": "-3"}
+
+    def walk(node: DictConfig, path: str) -> None:
+        for key in node:
+            if str(key).startswith("_") or OmegaConf.is_interpolation(node, key):
+                continue  # an interpolation's value is given, and checked, where it points
+            value, name = node[key], f"{path}.{key}"
+            if isinstance(value, DictConfig):
+                walk(value, name)
+            elif isinstance(value, ListConfig) and value and all(_is_number(v) for v in value):
+                found[name] = "[-3]"
+            elif _is_number(value):
+                found[name] = "-3"
+
+    for group in GROUPS:
+        walk(cfg[group], group)
+    return {**found, **{name: "[-3]" if name.endswith("speeds") else "-3" for name in NUMBERS_NOT_SET_BY_DEFAULT}}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _FirstTensor(TorchFunctionMode):
+    """Notes the first torch call that built a tensor holding any element (the model's parameters on the meta device
+    count; Lightning's empty probe of the default device does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.first is None and isinstance(out, torch.Tensor) and out.numel() > 0:
+            self.first = getattr(func, "__name__", repr(func))
+        return out
+
+
+@pytest.mark.timeout(150)
+def test_every_option_that_takes_a_number_refuses_a_bad_one_by_name_before_the_first_tensor(compose_train,
+                                                                                            monkeypatch):
+    """``data.batch_size=-3`` built a tensor of -3 rows (torch's ``zeros: Dimension size must be non-negative``)
+    before the data module checked it, and ``model.optimizer.lr=-3`` was refused by torch only after launching: every
+    option of the documented groups that takes a number must refuse -3 naming itself, before any tensor is built."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(launcher.JobLauncher, "_call_children_scripts", _refuse_to_launch)
+    options = _number_options(compose_train(*TINY, *SYNTHETIC))
+    assert len(options) >= 30 and {"data.batch_size", "model.optimizer.lr", "buckets.num_buckets"} <= set(options)
+    wrong = []
+    for name, bad in options.items():
+        watch = _FirstTensor()
+        try:
+            with watch:
+                train(compose_train(*TINY, *SYNTHETIC, f"{name}={bad}"))
+        except Exception as error:  # noqa: BLE001  (each option's own error)
+            if name.rsplit(".", 1)[-1] not in str(error) or watch.first is not None:
+                wrong.append(f"{name}={bad}: {type(error).__name__}: {str(error)[:160]} (first tensor: {watch.first})")
+        else:
+            wrong.append(f"{name}={bad}: accepted")
+    assert not wrong, "\n".join(wrong)

@@ -1,7 +1,7 @@
 """Failures off the happy path: an error on one rank reaches every rank, a killed rank is named by the others
 and leaves no process behind, a non-finite loss stops training where it started, dropout draws independent
-masks per stage and replica, a rank killed while saving leaves the previous checkpoint usable, and no checkpoint
-mixes two steps."""
+masks per stage and replica, a rank killed while saving leaves the previous checkpoint usable, no checkpoint
+mixes two steps, and a port another run holds is refused by name."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import io
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -20,17 +21,24 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import lightning as lightning_environment
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm import checkpoint as checkpoint_module
+from lightning_mp_lstm.app.training import train
 from lightning_mp_lstm.checkpoint import CheckpointError, read_checkpoint
 from lightning_mp_lstm.planning import profile
+from lightning_mp_lstm.strategy.launcher import PortInUseError
 from tests.helpers import (
+    ONE_PROCESS,
     RELIABILITY_MESSAGES,
+    SMALL_SYNTHETIC,
+    TINY_RUN,
     FixedBatches,
     assert_ranks_match,
+    free_port,
     parameters_of,
     processes_in_group,
     quiet_trainer,
@@ -388,3 +396,31 @@ def test_a_checkpoint_whose_ranks_are_at_different_steps_is_refused_on_every_ran
         "at epoch 0, global step 1, rank 1 at epoch 0, global step 2), so its parts would mix two steps' weights; a "
         "rank stopped in the middle of a step. Resume from the last checkpoint written before")
     assert list(tmp_path.iterdir()) == []
+
+
+# ----- the port rank 0 listens on ---------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_master_port_another_run_holds_is_refused_by_name_and_a_chosen_port_taken_since_is_chosen_again(
+        compose_train, monkeypatch):
+    """Two runs given the same ``MASTER_PORT``: the second died with torch's bare ``DistNetworkError ...
+    EADDRINUSE``; it now fails before starting any rank, naming the port, the variable and that another run holds it.
+    With no port given, a free one is chosen (again, if the one chosen was taken before rank 0 listened on it)."""
+    holder = socket.socket()  # another run's rank 0, listening
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    run = [*TINY_RUN, *SMALL_SYNTHETIC, ONE_PROCESS, "evaluate=false", "trainer.max_steps=1",
+           "trainer.limit_val_batches=0"]
+    try:
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(PortInUseError, match=RELIABILITY_MESSAGES["a port another run holds"]) as caught:
+            train(compose_train(*run))
+        assert str(caught.value).startswith(f"MASTER_PORT={port}: port {port} is already in use")
+        monkeypatch.delenv("MASTER_PORT")
+        offered = iter([port])  # the first port the system offers is taken before rank 0 listens on it
+        monkeypatch.setattr(lightning_environment, "find_free_network_port",
+                            lambda: next(offered, None) or free_port())
+        assert train(compose_train(*run))["checkpoint"]
+    finally:
+        holder.close()

@@ -10,6 +10,7 @@ one-process run's (1e-5 relative) on every rank, as in ``tests/test_resume.py``.
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import signal
@@ -212,44 +213,93 @@ LONG_RUN = [*TINY_RUN, *SMALL_SYNTHETIC, "trainer.limit_train_batches=null", "tr
             "data.synthetic.num_train=2000"]
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("name", "to"), [("SIGINT", "every process"), ("SIGTERM", "the launching process")])
-def test_train_py_stops_saves_and_tells_how_to_resume(name, to, tmp_path, compose_train):
-    """Ctrl-C in a terminal (SIGINT to every process of the job) or ``kill`` / ``docker stop`` (SIGTERM to the process
-    that launched the ranks): every process ends within 30 s, the job's status is 128 + the signal's number, the
-    output says where the run stopped and the command that resumes it, and resuming continues from that step; the
-    resumed run's ``every_n_train_steps`` checkpoints are written without any validation metric."""
+def _start_training(tmp_path: Path) -> tuple[Any, list[str]]:
+    """``python train.py layout=pp2`` of :data:`LONG_RUN` into ``<tmp_path>/run``, a few seconds into its training
+    steps; its output lines as they come."""
     args = [sys.executable, "train.py", "layout=pp2", *LONG_RUN, f"hydra.run.dir={tmp_path}/run"]
     proc = start_command(args)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    assert _wait_for(lambda: any("partition (costs by" in line for line in lines), 150), "".join(lines)[-3000:]
+    time.sleep(2.0)  # into the training steps
+    assert len(processes_in_group(proc.pid)) == 2
+    return proc, lines
+
+
+def _logged_steps(run: Path) -> list[int]:
+    """The ``step`` of every row of the run's ``logs/metrics.csv``."""
+    with (run / "logs" / "metrics.csv").open(newline="") as handle:
+        return [int(float(row["step"])) for row in csv.DictReader(handle)]
+
+
+def _end_of(proc: Any) -> float:
+    """Seconds until every process of ``proc``'s group ended (at most :data:`DEADLINE`); the rest are killed."""
+    started = time.monotonic()
     try:
-        assert _wait_for(lambda: any("partition (costs by" in line for line in lines), 150), "".join(lines)[-3000:]
-        time.sleep(2.0)  # into the training steps
-        assert len(processes_in_group(proc.pid)) == 2
-        signum = signal.Signals[name]
-        os.killpg(proc.pid, signum) if to == "every process" else os.kill(proc.pid, signum)
-        sent = time.monotonic()
         assert _wait_for(lambda: not processes_in_group(proc.pid), DEADLINE), processes_in_group(proc.pid)
-        ended_in = time.monotonic() - sent
+        return time.monotonic() - started
     finally:
         for pid in processes_in_group(proc.pid):
             os.kill(pid, signal.SIGKILL)
-    reader.join(timeout=10)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("name", "to"), [("SIGINT", "every process"), ("SIGTERM", "the launching process"),
+                                          ("SIGHUP", "every process")])
+def test_train_py_stops_saves_and_tells_how_to_resume(name, to, tmp_path, compose_train):
+    """Ctrl-C in a terminal (SIGINT to every process of the job), ``kill`` / ``docker stop`` (SIGTERM to the process
+    that launched the ranks) or a closed terminal or dropped ssh connection (SIGHUP to every process): every process
+    ends within 30 s, the job's status is 128 + the signal's number, the output and the run's log file say where the
+    run stopped and the command that resumes it in the same run folder, and resuming there continues from that step,
+    its checkpoint and the run's metrics."""
+    proc, lines = _start_training(tmp_path)
+    signum = signal.Signals[name]
+    os.killpg(proc.pid, signum) if to == "every process" else os.kill(proc.pid, signum)
+    ended_in = _end_of(proc)
     output = "".join(lines)
     assert proc.wait(timeout=10) == 128 + signum, output[-3000:]
     assert ended_in < DEADLINE
     stopped = re.search(RELIABILITY_MESSAGES["stopped by a signal"].replace("SIGTERM", name), output)
     assert stopped, output[-3000:]
     step = int(re.search(r"at global step (\d+)", stopped.group(0)).group(1))
-    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "last.ckpt"
     resume = re.search(RELIABILITY_MESSAGES["stopped by a signal, train.py's last line"], output)
     assert resume and resume.group(0).startswith("Resume with: python train.py layout=pp2 trainer=ci "), output[-2000:]
-    assert resume.group(0).endswith(f" ckpt_path={checkpoint}"), output[-2000:]
+    assert resume.group(0).endswith(f" hydra.run.dir={run} ckpt_path={checkpoint}"), output[-2000:]
     assert read_checkpoint(checkpoint)["global_step"] == step and "Traceback" not in output
-    # Resume it (on one process: a checkpoint of any layout resumes on any), saving every step, never validating.
+    assert stopped.group(0) in (run / "train.log").read_text()  # the terminal may be gone: the run's log has it
+    before = _logged_steps(run)
+    # Resume it in its folder, as the printed command does (on one process: a checkpoint of any layout resumes on
+    # any), never validating: the checkpoint callback's state carries over, and last.ckpt is written again.
     train(compose_train(*LONG_RUN, ONE_PROCESS, f"ckpt_path={checkpoint}", f"trainer.max_steps={step + 3}",
-                        "trainer.limit_val_batches=0", "evaluate=false",
-                        "+callbacks.model_checkpoint.every_n_train_steps=1"))
-    assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == step + 3
+                        "trainer.limit_val_batches=0", "evaluate=false", f"paths.output_dir={run}"))
+    assert read_checkpoint(checkpoint)["global_step"] == step + 3
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.ckpt"]
+    after = _logged_steps(run)  # the stopped run's rows are kept (Lightning's CSVLogger deleted them), then the new
+    assert after[:len(before)] == before and before[0] == 0 and after[-1] > before[-1], (before, after)
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_twice_ends_every_process_at_once_saying_what_was_kept(tmp_path):
+    """A second Ctrl-C, however soon after the first, ends every process at once with status 130 and a short message
+    that says which checkpoint is kept and how to resume from it: no traceback (there were 118 lines of them)."""
+    proc, lines = _start_training(tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert _wait_for(lambda: any("SIGINT received" in line for line in lines), DEADLINE), "".join(lines)[-3000:]
+    told = len(lines)
+    os.killpg(proc.pid, signal.SIGINT)
+    ended_in = _end_of(proc)
+    output = "".join(lines)
+    assert proc.wait(timeout=10) == 130 and ended_in < 10, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-5000:]
+    after = [line for line in lines[told:] if line.strip()]
+    assert len(after) <= 4, after
+    stopped = re.search(RELIABILITY_MESSAGES["stopped by a signal"].replace("SIGTERM", "SIGINT"), output)
+    at_once = re.search(RELIABILITY_MESSAGES["Ctrl-C twice"], output)
+    assert stopped or at_once, output[-3000:]  # the stop was told already, or the second Ctrl-C tells what is kept
+    if at_once and "was written to" in at_once.group(0):
+        step = int(re.search(r"global step (\d+)", at_once.group(0)).group(1))
+        assert read_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
+    if at_once and "no checkpoint" in at_once.group(0):
+        assert not (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()

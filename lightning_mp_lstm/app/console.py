@@ -29,8 +29,9 @@ QUIET_WARNINGS = (
      "a run stopping before its first validation has no val/loss to rank checkpoints by (after a validation a "
      "missing key is Lightning's error, not a warning); last.ckpt is still written"),
     (r"The dirpath has changed from .* therefore `best_model_score`",
-     "a resumed run writes into its own run directory (Hydra's outputs/<date>/<time>), so the earlier run's best-k "
-     "bookkeeping cannot carry over; its best_model_path still does"),
+     "a run resumed into another run directory than the one that wrote its checkpoint cannot carry that run's best-k "
+     "bookkeeping over (the printed resume command resumes into the same one, where it does); its best_model_path "
+     "still does"),
 )
 
 #: Informational lines that are Lightning's advertising, not about the run.

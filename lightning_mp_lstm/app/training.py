@@ -6,12 +6,8 @@ instantiates the data module, strategy, model, callbacks, logger and trainer fro
 
 from __future__ import annotations
 
-import re
-import shlex
-import sys
+import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,18 +17,17 @@ import torch
 from hydra.errors import InstantiationException
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
 from lightning_mp_lstm.app import console
-from lightning_mp_lstm.app.option_types import check_option_types
+from lightning_mp_lstm.app.option_types import check_option_types, check_option_values
 from lightning_mp_lstm.app.run_name import register_resolver
-from lightning_mp_lstm.checkpoint import local_model_state, read_checkpoint
+from lightning_mp_lstm.app.stopped import continue_logs, exit_when_stopped, resume_command
+from lightning_mp_lstm.checkpoint import is_sharded, local_model_state, read_checkpoint, read_sharded
 from lightning_mp_lstm.data.vocab import Vocabulary, vocabulary_difference
 from lightning_mp_lstm.models.lstm_language_model import LSTMLanguageModel, perplexity
 from lightning_mp_lstm.planning.layout import LayoutError
-from lightning_mp_lstm.strategy.launcher import hydra_quote
-from lightning_mp_lstm.strategy.stopping import RunStopped
+from lightning_mp_lstm.strategy.launcher import CHECKED_BY
 from lightning_mp_lstm.timeline import PipelineTimeline
 
 __all__ = ["BestCheckpoint", "best_checkpoint", "build_model", "build_strategy", "build_trainer", "check_resume",
@@ -59,17 +54,21 @@ def _build(node: DictConfig, group: str, **kwargs: Any) -> Any:
         raise clearer from error
 
 
-def check_resume(path: str, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
-    """Check that the checkpoint at ``path`` can resume ``model`` on ``datamodule``: readable, every tensor of
-    the model's shape, and (for :class:`LMDataModule`) the vocabulary the data was built with. It reads only the
-    names and shapes of ``model.state_dict()``, so a model still on the meta device will do.
+def check_resume(path: str, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> dict[str, Any]:
+    """Check that the checkpoint at ``path`` (a file or a sharded directory) can resume ``model`` on ``datamodule``:
+    readable, undamaged (every tensor, or every block, against the checksums recorded when it was written), every
+    tensor of the model's shape, and (for :class:`LMDataModule`) the vocabulary the data was built with. It reads
+    only the names and shapes of ``model.state_dict()``, so a model still on the meta device will do.
+
+    Returns:
+        The checkpoint (a sharded directory's: its model entries as meta tensors of the stored shapes).
 
     Raises:
         FileNotFoundError: no such file.
         CheckpointError: a damaged file, or tensors of another model size.
         ValueError: the checkpoint's vocabulary differs from the data's.
     """
-    saved = read_checkpoint(path)
+    saved = read_sharded(path) if is_sharded(path) else read_checkpoint(path)
     state = saved.get(type(datamodule).__qualname__) or {}
     vocab = getattr(datamodule, "vocab", None)
     if "vocab" in state and isinstance(vocab, Vocabulary):  # first: another vocabulary also changes the shapes
@@ -82,6 +81,7 @@ def check_resume(path: str, model: pl.LightningModule, datamodule: pl.LightningD
             )
     own = model.state_dict()
     local_model_state(model, saved["state_dict"], strict=model.strict_loading, full_keys=own.keys())
+    return saved
 
 
 def _instantiate_group(node: DictConfig | None, group: str) -> list[Any]:
@@ -228,12 +228,16 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train (and evaluate) the configured model; return the summary numbers.
 
-    Instantiates the strategy, the data module (set up for fitting: the vocabulary sizes the model), the model
-    (on the meta device, inside the strategy's init context), the callbacks, the loggers and the Trainer (which
-    resolves the layout; nothing is launched yet); then checks, before any process starts, the data's batches for
-    the layout's replicas, that the strategy can run the model on them, and that ``ckpt_path`` fits; then fits,
-    validates and tests the best checkpoint (:func:`best_checkpoint`; the last weights when there is none), prints
-    the summary table on global rank 0, and ends the job's processes (``strategy.shutdown()``) whatever happened.
+    Checks first the options nothing else checks before they are used (:func:`check_option_values`); instantiates
+    the strategy, the data module (set up for fitting: the vocabulary sizes the model), the model (on the meta
+    device, inside the strategy's init context), the callbacks, the loggers and the Trainer (which resolves the
+    layout; nothing is launched yet); then checks, before any process starts, the data's batches for the layout's
+    replicas, that the strategy can run the model on them, and that ``ckpt_path`` fits and is undamaged
+    (:func:`check_resume`; a run resumed into its folder continues its ``metrics.csv``:
+    :func:`~lightning_mp_lstm.app.stopped.continue_logs`); then fits, validates and tests the best checkpoint
+    (:func:`best_checkpoint`; the last weights when there is none), prints the summary table on global rank 0, and
+    ends the job's processes (``strategy.shutdown()``) whatever happened. A rank process the launching process
+    started skips the checks that process made before starting it.
 
     Args:
         cfg: a config composed from ``conf/train.yaml``.
@@ -248,24 +252,30 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     started = time.perf_counter()
     console.quiet()  # each message once, from rank 0; no warning the user cannot act on
+    check_option_values(cfg)  # before anything is built: an option out of its range, by name
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     strategy = build_strategy(cfg)
+    # A rank started by this job's launching process skips what that process checked before starting it; the checks
+    # that every rank needs run again when the strategy sets up and loads the checkpoint.
+    checked = os.environ.get(CHECKED_BY) is not None
     try:
         datamodule = _build(cfg.data, "data")
         datamodule.prepare_data()
         datamodule.setup("fit")
         model = build_model(cfg, strategy, datamodule.vocab_size)
-        _set_example_input(model, datamodule)
         trainer = build_trainer(cfg, strategy, model)
         # Fail here, before any process starts, on what the ranks would otherwise each find after launching: the
         # data module's batch samplers for the strategy's replicas (batch size, token budget, sentences per
         # replica; attached to the Trainer as fit() attaches it, its setup builds and checks them), whether the
-        # strategy can run the model on these batches, and whether the checkpoint fits.
+        # strategy can run the model on these batches, and whether the checkpoint fits and is undamaged.
         datamodule.trainer = trainer
-        datamodule.setup("fit")
-        strategy.check(model, datamodule)
-        if cfg.ckpt_path:
-            check_resume(cfg.ckpt_path, model, datamodule)
+        if not checked:
+            datamodule.setup("fit")
+            strategy.check(model, datamodule)
+            if cfg.ckpt_path:
+                saved = check_resume(cfg.ckpt_path, model, datamodule)
+                continue_logs(trainer, int(saved.get("global_step") or 0))
+        _set_example_input(model, datamodule)  # sized by the checked batch options
         clock = _TrainingClock()
         trainer.callbacks.append(clock)
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
@@ -359,33 +369,3 @@ def format_summary(summary: dict[str, Any]) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 40)
     return "\n".join([line, *(f"{k:<{width}}  {fmt(v)}" for k, v in rows), line])
-
-
-def resume_command(checkpoint: str) -> str:
-    """The command that resumes this Hydra job from ``checkpoint``: the program and this job's overrides, with
-    ``ckpt_path`` set to it (``ckpt_path=<checkpoint>`` alone outside a Hydra job)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    overrides: list[str] = []
-    if HydraConfig.initialized():
-        overrides = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
-    plain = re.fullmatch(r"[\w./-]+", checkpoint)  # else quoted for Hydra's override grammar (",", "=", spaces...)
-    value = checkpoint if plain else hydra_quote(checkpoint)
-    return shlex.join(["python", sys.argv[0] or "train.py", *overrides, f"ckpt_path={value}"])
-
-
-@contextmanager
-def exit_when_stopped() -> Iterator[None]:
-    """Around ``train(cfg)`` in ``train.py``: a run stopped on a signal
-    (:class:`~lightning_mp_lstm.strategy.stopping.RunStopped`) ends the program with its ``exit_code`` (``128 +`` the
-    signal's number: 143 for ``SIGTERM``, 130 for Ctrl-C), after global rank 0 printed where it stopped and the command
-    that resumes it, instead of a traceback."""
-    try:
-        yield
-    except RunStopped as stopped:
-        if rank_zero_only.rank == 0:
-            lines = [f"\n{stopped}"]
-            if stopped.checkpoint and not stopped.requeued:
-                lines.append(f"Resume with: {resume_command(stopped.checkpoint)}")
-            print("\n".join(lines), file=sys.stderr, flush=True)
-        raise SystemExit(stopped.exit_code) from None

@@ -8,12 +8,14 @@ One module per job:
 
 - :mod:`~lightning_mp_lstm.checkpoint.files`: one file, written atomically (:class:`AtomicCheckpointIO`) and read
   with a clear error for a damaged file (:func:`read_checkpoint`, :class:`CheckpointError`).
+- :mod:`~lightning_mp_lstm.checkpoint.integrity`: the CRC-32 checksums a checkpoint records when it is written (of
+  every tensor of a file, of every block of a sharded directory) and the comparison when it is read.
 - :mod:`~lightning_mp_lstm.checkpoint.state`: model and optimizer state by parameter name, on torch's
   ``torch.distributed.checkpoint.state_dict`` API, for a model pruned to a process's blocks (tied weights,
   positional states, strict checks: :func:`local_model_state`).
 - :mod:`~lightning_mp_lstm.checkpoint.sharded`: the sharded format, a directory in which every rank writes its own
-  tensors with ``torch.distributed.checkpoint`` (:func:`save_sharded`, :func:`load_sharded`); :func:`consolidate`
-  turns it into one ordinary file.
+  tensors with ``torch.distributed.checkpoint`` (:func:`save_sharded`, :func:`load_sharded`, :func:`read_sharded`);
+  :func:`consolidate` turns it into one ordinary file.
 - :mod:`~lightning_mp_lstm.checkpoint.formats`: :class:`FileFormat` (one file gathered on global rank 0,
   :func:`gather_to_rank_zero`) and :class:`ShardedFormat`, the objects ``MPLSTMStrategy``'s checkpoint hooks
   delegate to.
@@ -37,6 +39,7 @@ from lightning_mp_lstm.checkpoint.sharded import (
     consolidate,
     is_sharded,
     load_sharded,
+    read_sharded,
     save_sharded,
 )
 from lightning_mp_lstm.checkpoint.state import (
@@ -73,6 +76,7 @@ __all__ = [
     "name_keyed_optimizer_state",
     "optimizer_state",
     "read_checkpoint",
+    "read_sharded",
     "save_sharded",
     "with_aliases",
 ]

@@ -1,5 +1,6 @@
 """One checkpoint file: written atomically (:class:`AtomicCheckpointIO`), read with a clear error for a damaged
-file (:func:`read_checkpoint`)."""
+file (:func:`read_checkpoint`: one that cannot be read, whose bytes differ from its integrity record, or that holds
+a NaN)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "check_finite", "read_checkpoint"]
+from lightning_mp_lstm.checkpoint.integrity import INTEGRITY_KEY, checkpoint_tensors, damaged_entries, damaged_tensors
+
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "check_finite", "check_integrity", "read_checkpoint"]
+
+#: What a damaged checkpoint's message ends with.
+DAMAGED_HINT = ("it was damaged after it was written (on disk or in a copy): resume from an earlier checkpoint, or "
+                "from another copy of this one")
 
 
 class CheckpointError(ValueError):
@@ -22,7 +29,7 @@ class CheckpointError(ValueError):
 
 
 def read_checkpoint(path: str | os.PathLike, load: Any = None, model_state: bool = True) -> dict[str, Any]:
-    """Load a checkpoint file, with a message that names the file when it is truncated or not a checkpoint.
+    """Load a checkpoint file, with a message that names the file when it is truncated, damaged or not a checkpoint.
 
     Args:
         path: the file (local or any fsspec URL).
@@ -32,12 +39,22 @@ def read_checkpoint(path: str | os.PathLike, load: Any = None, model_state: bool
 
     Raises:
         FileNotFoundError: there is no such file.
-        CheckpointError: the file exists but is not a complete checkpoint, or a model or optimizer tensor in it holds
-            a NaN or an infinity (:func:`check_finite`).
+        CheckpointError: the file exists but is not a complete checkpoint; a part of it differs from the checksum
+            recorded when it was written (:func:`check_integrity`; a local file's pickled structure is checked
+            before it is unpickled); or a model or optimizer tensor in it holds a NaN or an infinity
+            (:func:`check_finite`).
     """
     fs = get_filesystem(path)
     if not fs.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if _is_local(fs) and Path(path).is_file():
+        damaged = damaged_entries(path)
+        if damaged:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: the bytes of {', '.join(damaged)} (everything but the tensors: epoch, "
+                f"loops, hyperparameters, vocabulary) differ from the CRC-32 recorded when it was written; "
+                f"{DAMAGED_HINT}"
+            )
     try:
         checkpoint = load(path) if load is not None else AtomicCheckpointIO().load_checkpoint(
             path, map_location="cpu", weights_only=False)
@@ -51,17 +68,32 @@ def read_checkpoint(path: str | os.PathLike, load: Any = None, model_state: bool
     if not isinstance(checkpoint, dict) or (model_state and "state_dict" not in checkpoint):
         raise CheckpointError(f"{path} holds no model state ('state_dict'): it is not a Lightning checkpoint")
     if model_state:
+        check_integrity(checkpoint, f"checkpoint {path}")
         check_finite(checkpoint, f"checkpoint {path}")
     return checkpoint
 
 
-def _tensors(checkpoint: dict[str, Any]) -> Any:
-    """``(name, tensor)`` of every model and optimizer-state tensor of a Lightning checkpoint dictionary."""
-    yield from checkpoint.get("state_dict", {}).items()
-    for i, optimizer in enumerate(checkpoint.get("optimizer_states", [])):
-        for parameter, entries in (optimizer.get("state", {}) if isinstance(optimizer, dict) else {}).items():
-            for key, value in entries.items():
-                yield f"optimizer {i} state {key!r} of {parameter}", value
+def _is_local(fs: Any) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def check_integrity(checkpoint: dict[str, Any], source: str) -> None:
+    """Refuse a checkpoint whose model or optimizer tensors differ from the checksums recorded when it was written
+    (:func:`~lightning_mp_lstm.checkpoint.integrity.with_record`); one without a record passes.
+
+    Raises:
+        CheckpointError: naming every damaged tensor (the first 10, and how many more).
+    """
+    found = damaged_tensors(checkpoint)
+    if not found or not found[0]:
+        return
+    damaged, compared = found
+    listed = ", ".join(damaged[:10]) + (f" and {len(damaged) - 10} more" if len(damaged) > 10 else "")
+    raise CheckpointError(
+        f"{source} is damaged: {len(damaged)} of its {compared} tensors differ from the CRC-32 checksums recorded "
+        f"when it was written: {listed}; {DAMAGED_HINT} (a file changed on purpose: delete its "
+        f"{INTEGRITY_KEY!r} entry)"
+    )
 
 
 def check_finite(checkpoint: dict[str, Any], source: str) -> None:
@@ -71,7 +103,7 @@ def check_finite(checkpoint: dict[str, Any], source: str) -> None:
     Raises:
         CheckpointError: naming the first such tensor and how many of its values are not finite.
     """
-    for name, value in _tensors(checkpoint):
+    for name, value in checkpoint_tensors(checkpoint):
         value = value.to_local() if isinstance(value, DTensor) else value  # this process's shard: no collective
         if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
             bad = int((~torch.isfinite(value)).sum())
@@ -95,8 +127,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
-        fs = get_filesystem(path)
-        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        if not _is_local(get_filesystem(path)):
             super().save_checkpoint(checkpoint, path)
             return
         from lightning_mp_lstm import checkpoint as package  # its _serialize: tests replace it to fail a write
@@ -127,8 +158,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         """A local file memory-mapped (``torch.load(mmap=True)``): a process reads the pages of the tensors it takes
         (its own blocks' and their optimizer state), not the whole model; other paths as Lightning reads them."""
-        fs = get_filesystem(path)
-        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        if not _is_local(get_filesystem(path)):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")

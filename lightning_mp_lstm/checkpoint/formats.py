@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_mp_lstm.base.faults import everywhere, gather, point_to_point_group, result_from
 from lightning_mp_lstm.checkpoint.files import CheckpointError, check_finite, read_checkpoint
+from lightning_mp_lstm.checkpoint.integrity import with_record
 from lightning_mp_lstm.checkpoint.sharded import is_sharded, load_sharded, save_sharded
 from lightning_mp_lstm.checkpoint.state import (
     ModelNames,
@@ -84,8 +85,9 @@ class CheckpointFormat:
 
     def load(self, path: Any, module: nn.Module, optimizers: Sequence[Any], io: CheckpointIO,
              weights_only: bool | None, names: ModelNames) -> dict[str, Any]:
-        """Read a checkpoint on every rank: a sharded directory (this process's tensors) or one file (all of it; a
-        truncated or foreign file gets a message naming it)."""
+        """Read a checkpoint on every rank: a sharded directory (this process's tensors) or one file (all of it); a
+        truncated, damaged or foreign one gets a message naming it (:func:`~lightning_mp_lstm.checkpoint.load_sharded`,
+        :func:`~lightning_mp_lstm.checkpoint.read_checkpoint`)."""
         if is_sharded(path):
             # Every rank reads its own tensors: a damaged one fails every rank, not only its reader.
             checkpoint = load_sharded(path, module, [_inner(o) for o in optimizers], names.aliases)
@@ -116,7 +118,8 @@ class CheckpointFormat:
 
 class FileFormat(CheckpointFormat):
     """One checkpoint file, gathered on global rank 0 and written there atomically (with the strategy's
-    checkpoint IO, by default :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`).
+    checkpoint IO, by default :class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`), with the checksum of every
+    tensor (:func:`~lightning_mp_lstm.checkpoint.integrity.with_record`), compared when it is read.
 
     Tensor-parallel shards are gathered into whole tensors (torch's ``get_*_state_dict(full_state_dict=True)``),
     then rank 0 receives every other rank's tensors one rank at a time (:func:`gather_to_rank_zero`). Keys and
@@ -143,7 +146,7 @@ class FileFormat(CheckpointFormat):
     @override
     def save(self, checkpoint: dict[str, Any], path: Any, io: CheckpointIO, names: ModelNames,
              storage_options: Any = None) -> None:
-        result_from(0, lambda: io.save_checkpoint(checkpoint, path, storage_options=storage_options))
+        result_from(0, lambda: io.save_checkpoint(with_record(checkpoint), path, storage_options=storage_options))
 
 
 class ShardedFormat(CheckpointFormat):

@@ -5,12 +5,17 @@ program: the children re-run ``sys.argv`` (under a Hydra multirun that is the wh
 all), and after the job the launching process keeps the default process group and the ``LOCAL_RANK`` /
 ``MASTER_PORT`` / ... environment, so a second ``Trainer`` in the same process would neither spawn nor
 initialize anything. :class:`JobLauncher` starts children that run *this job only* and, in
-:meth:`JobLauncher.release`, undoes what the launch left behind.
+:meth:`JobLauncher.release`, undoes what the launch left behind. Before it starts any, it makes sure the port the
+job's rank 0 will listen on is free (:func:`port_in_use`): a ``MASTER_PORT`` another run holds is refused by name
+(torch would fail later with a bare ``EADDRINUSE``), and a port chosen for the job that was taken since is chosen
+again.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd, _ChildProcessObserver
 from lightning.fabric.utilities.rank_zero import _get_rank, rank_prefixed_message
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -28,11 +34,30 @@ from typing_extensions import override
 
 from lightning_mp_lstm.strategy.pipeline_setup import end_process_groups
 
-__all__ = ["JobLauncher", "hydra_job_command", "hydra_quote"]
+__all__ = ["CHECKED_BY", "JobLauncher", "PortInUseError", "hydra_job_command", "hydra_quote", "port_in_use"]
 
 #: Environment variables a launch sets in the launching process (Lightning's ``_call_children_scripts``, and
 #: ``OMP_NUM_THREADS`` from ``_set_num_threads_if_needed`` when it was unset).
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
+#: Set (to the launching process's pid) in the environment of the rank processes a :class:`JobLauncher` starts: the
+#: launching process checked the job before starting them (``train.py``'s checks before launch need not run again).
+CHECKED_BY = "MP_LSTM_CHECKED_BY"
+
+
+class PortInUseError(RuntimeError):
+    """The port given for the job's rank 0 to listen on (``MASTER_PORT``) is held by another process."""
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a process of this machine listens on TCP ``port``: binding it fails with ``EADDRINUSE`` (with
+    ``SO_REUSEADDR``, as torch's store binds, so a port whose last connection is closing still counts as free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
 
 #: Hydra settings the children get from :func:`hydra_job_command` itself, or that only make sense for a sweep.
 _HYDRA_KEYS_SET_FOR_CHILDREN = (
@@ -165,17 +190,17 @@ class JobLauncher(_SubprocessScriptLauncher):
 
     @override
     def _call_children_scripts(self) -> None:
-        # Lightning's, with the child command of this job only (Lightning re-runs sys.argv[1:]).
+        # Lightning's, with the child command of this job only (Lightning re-runs sys.argv[1:]), on a free port.
         self._check_can_spawn_children()
         self.procs = []
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["MASTER_PORT"] = str(self._free_port())
         os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
         os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         hydra_job = _hydra_job_running()
         for local_rank in range(1, self.num_processes):
-            env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            env = {**os.environ, "LOCAL_RANK": str(local_rank), CHECKED_BY: str(os.getpid())}
             if hydra_job:
                 from hydra.utils import get_original_cwd
 
@@ -183,6 +208,30 @@ class JobLauncher(_SubprocessScriptLauncher):
             else:
                 command, cwd = list(_basic_subprocess_cmd()), None
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+
+    def _free_port(self) -> int:
+        """The port rank 0 of the job will listen on (node 0 only checks it: the others connect to it).
+
+        Raises:
+            PortInUseError: ``MASTER_PORT`` was given and another process listens on it.
+        """
+        environment = self.cluster_environment
+        port = environment.main_port
+        if environment.node_rank() != 0 or not port_in_use(port):
+            return port
+        given = (self._saved_env or {}).get("MASTER_PORT")
+        if given is not None:
+            raise PortInUseError(
+                f"MASTER_PORT={given}: port {port} is already in use on this machine: another run (or another "
+                "program) listens on it, so this run's rank 0 cannot. Give this run a free port "
+                "(MASTER_PORT=<another port>), or unset MASTER_PORT and a free one is chosen")
+        for _ in range(20):  # chosen for this job, and taken since (the choice only asked the system for one)
+            port = find_free_network_port()
+            if not port_in_use(port):
+                break
+        if hasattr(environment, "_main_port"):  # LightningEnvironment keeps the port it chose: the group uses it
+            environment._main_port = port
+        return port
 
     def stop_watching(self) -> None:
         """Every rank of the job is about to end together (stopped on a signal, or an error raised on every rank):

@@ -1,5 +1,5 @@
-"""Stopping a run on a signal (a scheduler's ``SIGTERM``, Ctrl-C's ``SIGINT``) at a step boundary (the next but one),
-with a checkpoint to resume from.
+"""Stopping a run on a signal (a scheduler's ``SIGTERM``, Ctrl-C's ``SIGINT``, a closed terminal's ``SIGHUP``) at a
+step boundary (the next but one), with a checkpoint to resume from.
 
 Lightning 2.6 answers ``SIGTERM`` itself (``_SignalConnector._sigterm_notifier_fn``): its handler broadcasts a
 tensor from rank 0 *inside the signal handler*, wherever the main thread is, in the middle of a pipeline transfer
@@ -18,9 +18,15 @@ resumes from by itself, and the requeue signal also requeues the job with Lightn
 evaluation stage (``validate``/``test``/``predict``) stops at its next batch without a checkpoint: it changes no
 weights. ``MPLSTMStrategy`` adds this callback to its Trainer (its ``stop_signals`` option).
 
-A second Ctrl-C while a stop is pending stops at once, the Python way (``KeyboardInterrupt``, no checkpoint).
-Between Lightning's registration of its handlers and the first hook of a stage (its setup barrier), and between
-stages, Lightning's handlers or Python's defaults apply.
+A second Ctrl-C after the first goes to the handler that was there before the stage: Python's raises
+``KeyboardInterrupt`` (checkpoints already written stay; the stop's own is written only if it was finished);
+``train.py``'s ends every process at once with a short message that says which checkpoint is kept
+(:mod:`lightning_mp_lstm.app.stopped`). Once a signal was received, this callback's handler stays installed after the
+stage ends (Lightning restores the earlier handlers then), so that a second Ctrl-C while the processes end is
+answered the same way. A ``SIGHUP`` also points this process's output, where it was a terminal, at ``/dev/null``: the
+terminal is gone and every write to it fails (``EIO``); tqdm and ``logging`` swallow that, a plain ``print`` would fail
+the run before it saves. Between Lightning's registration of its handlers and the first hook of a stage (its setup
+barrier), and between stages of a run that got no signal, Lightning's handlers or Python's defaults apply.
 """
 
 from __future__ import annotations
@@ -41,10 +47,12 @@ from typing_extensions import override
 
 from lightning_mp_lstm.base.faults import object_group
 
-__all__ = ["STOP_SIGNALS", "RunStopped", "StopOnSignal", "check_stop_signals", "expect_ranks_to_stop"]
+__all__ = ["STOP_SIGNALS", "RunStopped", "StopOnSignal", "check_stop_signals", "expect_ranks_to_stop", "received_stop"]
 
 #: Signals a run may stop on (SIGKILL and SIGSTOP cannot be caught).
 STOP_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+#: Signals a terminal sends to every process of the job it runs (Ctrl-C; closing it): global rank 0 speaks for all.
+_EVERY_PROCESS = (signal.SIGINT, signal.SIGHUP)
 
 
 def check_stop_signals(names: Any) -> tuple[signal.Signals, ...]:
@@ -112,19 +120,31 @@ class StopOnSignal(Callback):
     checkpoint first.
 
     Args:
-        signals: names from :data:`STOP_SIGNALS` (``train.py``: ``SIGTERM`` and ``SIGINT``). Under SLURM with
-            ``auto_requeue``, the environment's requeue signal is caught too.
+        signals: names from :data:`STOP_SIGNALS` (``train.py``: ``SIGTERM``, ``SIGINT`` and ``SIGHUP``). Under SLURM
+            with ``auto_requeue``, the environment's requeue signal is caught too.
 
     Raises:
         RunStopped: on every rank, after the checkpoint is saved.
     """
 
+    #: The callback of this process that received a stop signal, if one did (:func:`received_stop`).
+    received_by: StopOnSignal | None = None
+
     def __init__(self, signals: Any = ("SIGTERM",)) -> None:
         self.signals = check_stop_signals(signals)
         self.received: signal.Signals | None = None
         self.requeue = False
-        self._is_global_zero = True
+        self.is_global_zero = True
+        #: The checkpoint this stop wrote, and its global step (set once the checkpoint is complete).
+        self.saved: tuple[str, int] | None = None
+        #: Where this stop writes its checkpoint (the previous one stays there until the new one is complete).
+        self.last_checkpoint: str | None = None
         self._requeue_signal: signal.Signals | None = None
+        self._previous: dict[int, Any] = {}  # the handlers this one replaced, for a second Ctrl-C
+        self._terminals = [fd for fd in (1, 2) if _is_terminal(fd)]
+        self._connector: Any = None
+        #: Every rank stopped (``RunStopped`` raised): a further signal is answered by the earlier handler.
+        self.stopped = False
         self._last_step = -1
         self._pending: tuple[Any, torch.Tensor] | None = None  # the agreement started at the last step boundary
 
@@ -132,31 +152,67 @@ class StopOnSignal(Callback):
     def _install(self, trainer: pl.Trainer) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        self._is_global_zero = trainer.is_global_zero
+        self.is_global_zero = trainer.is_global_zero
+        self._connector = trainer._signal_connector
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.last_checkpoint = str(last_checkpoint_path(trainer))
         if trainer.received_sigterm:  # Lightning's handler ran before this one replaced it: take the signal over
             self._note(signal.SIGTERM)
             trainer._signal_connector.received_sigterm = False  # else Lightning's loop exits with status 0
         self._requeue_signal = requeue = _requeue_signal(trainer)
+        before = getattr(self._connector, "_original_handlers", None) or {}  # what Lightning found and restores
         for signum in dict.fromkeys([*self.signals, *([requeue] if requeue is not None else [])]):
+            previous = before.get(signum, signal.getsignal(signum))
+            if previous != self._handle:
+                self._previous[signum] = previous
             signal.signal(signum, self._handle)
+        if self.received is not None:
+            self._outlive_the_stage()
 
     def _note(self, signum: int, requeue: bool = False) -> None:
+        if self.received is None:
+            StopOnSignal.received_by = self
         if self.received is None or self.received == signal.SIGINT:
             self.received = signal.Signals(signum)
         self.requeue = self.requeue or requeue
+        self._outlive_the_stage()
+
+    def _outlive_the_stage(self) -> None:
+        """Keep this handler installed when the stage ends (Lightning's teardown restores the handlers it found when
+        the stage began): a second Ctrl-C while the processes end is then answered as one during the stage."""
+        original = getattr(self._connector, "_original_handlers", None)
+        if isinstance(original, dict):
+            for signum in self._previous:
+                original[signum] = self._handle
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop at once
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
+        if self.received is not None and (signum == signal.SIGINT or self.stopped):
+            # Ctrl-C again, or any signal once every rank stopped: the handler from before the stage answers it.
+            self._pass_on(signum, frame)
+            return
+        if signum == signal.SIGHUP:  # the terminal is gone: a print to it would fail the run before it saves
+            _detach(self._terminals)
         first = self.received is None
         self._note(signum, requeue=signum == self._requeue_signal)
-        if first and (self._is_global_zero or signum != signal.SIGINT):  # Ctrl-C reaches every rank: say it once
-            hint = " (Ctrl-C again stops at once, without one)" if signum == signal.SIGINT else ""
-            # os.write: a print could re-enter the buffered writer the main thread is in.
+        if first and (self.is_global_zero or signum not in _EVERY_PROCESS):  # each rank got it: say it once
+            hint = " (Ctrl-C again ends every process at once)" if signum == signal.SIGINT else ""
             name = signal.Signals(signum).name
-            os.write(2, f"\nmp_lstm: {name} received (pid {os.getpid()}): stopping at the end of the next step and "
-                        f"saving a checkpoint{hint}\n".encode())
+            write_now(f"\nmp_lstm: {name} received (pid {os.getpid()}): stopping at the end of the next step and "
+                      f"saving a checkpoint{hint}\n")
+
+    def _pass_on(self, signum: int, frame: Any) -> None:
+        """Answer ``signum`` as the handler this one replaced would: call it, or do the default (``SIGINT``:
+        ``KeyboardInterrupt``; another signal: end the process by it)."""
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        if previous == signal.SIG_IGN:
+            return
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+            return
+        signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signum)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -234,7 +290,9 @@ class StopOnSignal(Callback):
         where = (f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, after batch_idx {batch_idx} of "
                  f"{trainer.num_training_batches})")
         assert self.received is not None
-        raise RunStopped(self.received.name, where, self._save(trainer), requeued=self.requeue)
+        saved = self._save(trainer)
+        self.stopped = True
+        raise RunStopped(self.received.name, where, saved, requeued=self.requeue)
 
     def _save(self, trainer: pl.Trainer) -> str:
         """Save the run where it stands (every rank calls this): Lightning's HPC checkpoint (and requeue) under
@@ -249,7 +307,9 @@ class StopOnSignal(Callback):
             path = last_checkpoint_path(trainer)
             if isinstance(trainer.checkpoint_callback, ModelCheckpoint):  # its state, saved too, names its last file
                 trainer.checkpoint_callback.last_model_path = path
+        self.last_checkpoint = str(path)
         trainer.save_checkpoint(path, weights_only=False)
+        self.saved = (str(path), trainer.global_step)
         return str(path)
 
     def _evaluation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -258,9 +318,45 @@ class StopOnSignal(Callback):
         if self._agreed(trainer):
             expect_ranks_to_stop(trainer)
             assert self.received is not None and trainer.state.stage is not None
+            self.stopped = True
             raise RunStopped(self.received.name, f"while running {trainer.state.stage.value}")
 
     on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _evaluation_batch_end
+
+
+def received_stop() -> StopOnSignal | None:
+    """The :class:`StopOnSignal` of this process that received a stop signal (the latest), or ``None``: what a
+    handler for a second signal reads to say what was saved."""
+    return StopOnSignal.received_by
+
+
+def write_now(text: str) -> None:
+    """Write ``text`` to standard error unbuffered (``os.write``: a print from a signal handler could re-enter the
+    buffered writer the main thread is in); a terminal that is gone (``EIO``) or a closed pipe is skipped."""
+    try:
+        os.write(2, text.encode())
+    except OSError:
+        pass
+
+
+def _is_terminal(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _detach(fds: list[int]) -> None:
+    """Point ``fds`` (this process's output descriptors that were a terminal) at ``/dev/null``, as ``nohup`` does."""
+    if not fds:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+    fds.clear()
 
 
 def last_checkpoint_path(trainer: pl.Trainer) -> str:
