@@ -108,13 +108,15 @@ CASES = [
     Case("buckets: no automatic bucket", ["buckets.num_buckets=0"], r"num_buckets must be a positive integer, got 0"),
     Case("buckets: unknown long-sentence policy", ["data.long_sentence_policy=chop"],
          r"unknown long_sentence_policy 'chop'; allowed: split, truncate, drop"),
+    # The batch refused is the one the longest bucket holds: that line alone, in the rows of 2 microbatches.
     Case("buckets: a 100,000-token line with no length cap",
          ["data=text", "data.train={long}", "data.valid={text}", "data.test={text}", "buckets.max_length=null",
-          "strategy.memory_per_process=1"],
+          "strategy.memory_per_process=1", "model.hidden_size=64", "model.embedding_dim=64"],
          r"cannot hold this model and batch: .* \(mostly activations\), more than the 1.00 GiB a process may use "
          r"\(strategy.memory_per_process=1\)\.\nmemory per process[\s\S]*Or: a training batch of the longest bucket "
          r"\(100,001 tokens, as long as the longest training line \(line 8 of .*long.txt, 100,001 tokens\)\) keeps "
-         r"about [\d.]+ GiB of activations on pipeline rank 0 \(\d+ sentences in flight\). Cap the bucket length "
+         r"about [\d.]+ GiB of activations on pipeline rank 0 \(1 sentence; 2 rows in flight with the empty rows that "
+         r"fill its 2 microbatches\). Cap the bucket length "
          r"\(train.py: buckets.max_length=<tokens>; LMDataModule\(max_bucket_length=...\)\): longer lines are then "
          r"split into pieces; or lower data.batch_size / data.max_tokens", "MemoryError_",
          files={"long": "long_line", "text": "text"}),

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -95,7 +96,9 @@ def model_memory(blocks: PipelineModel, module: nn.Module) -> ModelMemory:
 
 
 def largest_batch(datamodule: Any, layout: ParallelLayout) -> BatchShape | None:
-    """The training batch of the longest bucket, one replica's rows (``None``: the data does not say its shape)."""
+    """The training batch of the longest bucket, one replica's rows (``None``: the data does not say its shape): as
+    many sentences as the batch size (or token budget) allows and the longest bucket holds (``LMDataModule``'s
+    bucketed training split tells; a corpus with one long line has a batch of one there)."""
     lengths = getattr(datamodule, "bucket_lengths", None)
     rows, tokens = getattr(datamodule, "batch_size", None), getattr(datamodule, "max_tokens", None)
     if not lengths or not (rows or tokens):
@@ -103,6 +106,11 @@ def largest_batch(datamodule: Any, layout: ParallelLayout) -> BatchShape | None:
     longest = max(lengths)
     if tokens:
         rows = min(rows or tokens, max(1, tokens // longest))
+    dataset = getattr(datamodule, "dataset", None)
+    if callable(dataset) and getattr(datamodule, "mode", "sentences") == "sentences":
+        train = dataset("train")
+        held = int((np.asarray(train.buckets)[train.bucket_indices] == longest).sum())
+        rows = min(rows, held) if held else rows
     return BatchShape(math.ceil(rows / layout.data_parallel_size), longest)
 
 
@@ -193,8 +201,12 @@ def _activations_advice(plan: MemoryPlan, fullest: Any, batch: BatchShape, datam
         length, place = describe()
         if length >= batch.length:
             where = f", as long as the longest training line ({place}, {length:,} tokens)"
+    sentences = f"{batch.rows} sentence{'s' if batch.rows != 1 else ''}"
+    flight = (f"{sentences} in flight" if in_flight <= batch.rows else
+              f"{sentences}; {in_flight} rows in flight with the empty rows that fill its {layout.n_microbatches} "
+              "microbatches")
     return (f"a training batch of the longest bucket ({batch.length:,} tokens{where}) keeps about "
             f"{fullest.activations / GIB:,.1f} GiB of activations on pipeline rank {fullest.pipeline_rank} "
-            f"({in_flight} sentences in flight). Cap the bucket length (train.py: buckets.max_length=<tokens>; "
+            f"({flight}). Cap the bucket length (train.py: buckets.max_length=<tokens>; "
             "LMDataModule(max_bucket_length=...)): longer lines are then split into pieces; or lower data.batch_size "
             "/ data.max_tokens")
