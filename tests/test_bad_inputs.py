@@ -118,7 +118,7 @@ CASES = [
          r"about [\d.]+ GiB of activations on pipeline rank 0 \(1 sentence; 2 rows in flight with the empty rows that "
          r"fill its 2 microbatches\). Cap the bucket length "
          r"\(train.py: buckets.max_length=<tokens>; LMDataModule\(max_bucket_length=...\)\): longer lines are then "
-         r"split into pieces; or lower data.batch_size / data.max_tokens", "MemoryError_",
+         r"split into pieces; or lower data.batch_size / data.max_tokens", "MemoryPlanError",
          files={"long": "long_line", "text": "text"}),
     # ----- corpora
     Case("corpus: unknown source", ["data.source=csv"],

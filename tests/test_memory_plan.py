@@ -21,7 +21,7 @@ import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.planning.layout import ParallelLayout
-from lightning_mp_lstm.planning.memory import BatchShape, MemoryError_, ModelMemory, plan_memory, process_floor
+from lightning_mp_lstm.planning.memory import BatchShape, MemoryPlanError, ModelMemory, plan_memory, process_floor
 from lightning_mp_lstm.strategy.memory_check import optimizer_state_factor
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.pipeline_setup import plan_memory_of_run
@@ -99,7 +99,7 @@ def test_a_layout_that_cannot_fit_is_refused_before_launch_with_the_table_and_th
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, memory_per_process=gib, report_after_steps=None)
     pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
     model = _big_model()
-    with pytest.raises(MemoryError_) as refused:
+    with pytest.raises(MemoryPlanError) as refused:
         strategy.check(model, FixedBatches())
     message = str(refused.value)
     assert "1 process(es) of ParallelLayout(" in message and f"more than the {gib:.2f} GiB a process may use " \
@@ -131,7 +131,7 @@ def test_the_one_file_checkpoint_is_chosen_only_where_rank_zero_can_gather_the_m
         pipeline_parallel_size=2, memory_per_process=64, checkpoint_format="sharded"), FixedBatches(), cpu, 2)[0]
     between = (training.peak + saving / 2) / 2**30
     assert chosen(between) == (0, "sharded")
-    with pytest.raises(MemoryError_, match=r"saving a one-file checkpoint gathers the whole model .* Save sharded"):
+    with pytest.raises(MemoryPlanError, match=r"saving a one-file checkpoint gathers the whole model .* Save sharded"):
         chosen(between, "file")
 
 

@@ -12,6 +12,7 @@ from its widths instead. :func:`memory_per_process` says what a process may use.
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import nullcontext
 from pathlib import Path
@@ -89,6 +90,7 @@ def _kernel_bytes(width: int, hidden: int, length: int, fake: bool, scale: int =
     return saved.total * scale
 
 
+@functools.cache
 def _kernel_workspace(width: int, hidden: int) -> float:
     """Bytes per token the host's LSTM kernel keeps beyond what fake tensors show, measured on a layer at most
     :data:`_KERNEL_WIDTH` and at most half as wide, and scaled back."""

@@ -25,13 +25,13 @@ from dataclasses import dataclass, replace
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.planning.partition import compact_blocks, partition_blocks
 
-__all__ = ["BatchShape", "MemoryError_", "MemoryPlan", "ModelMemory", "RankMemory", "fitting_layouts",
+__all__ = ["BatchShape", "MemoryPlanError", "MemoryPlan", "ModelMemory", "RankMemory", "fitting_layouts",
            "in_flight_microbatches", "memory_partition", "plan_memory", "process_floor"]
 
 MIB, GIB = 2**20, 2**30
 
 
-class MemoryError_(ValueError):  # noqa: N801  (not the builtin MemoryError, which means an allocation failed)
+class MemoryPlanError(ValueError):
     """A layout some process of which cannot hold its share: raised before launch, with the memory table."""
 
 

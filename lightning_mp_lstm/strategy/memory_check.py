@@ -22,8 +22,8 @@ from lightning_mp_lstm.planning.activations import GIB, HOST, activation_bytes_p
 from lightning_mp_lstm.planning.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.planning.memory import (
     BatchShape,
-    MemoryError_,
     MemoryPlan,
+    MemoryPlanError,
     ModelMemory,
     fitting_layouts,
     in_flight_microbatches,
@@ -151,7 +151,7 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
         one_file_checkpoint: global rank 0 gathers the whole model and its optimizer state to save.
 
     Raises:
-        MemoryError_: naming the layout, the fullest process, the budget, the table and the layouts that fit.
+        MemoryPlanError: naming the layout, the fullest process, the budget, the table and the layouts that fit.
     """
     batch = largest_batch(datamodule, layout)
     if batch is None:
@@ -165,7 +165,7 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
     if plan.fits:
         return plan
     if one_file_checkpoint and plan_memory(model, layout, partition, batch, floor, budget, source).fits:
-        raise MemoryError_(
+        raise MemoryPlanError(
             f"saving a one-file checkpoint gathers the whole model and its optimizer state on global rank 0: "
             f"{_describe(plan)}, more than the {budget / GIB:,.2f} GiB a process may use ({source}). Save sharded "
             f"checkpoints (strategy.checkpoint_format=sharded, or auto)\n{plan.table()}")
@@ -182,7 +182,7 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
         "the loss's logits": "an adaptive softmax (model.softmax=adaptive) or a smaller data.batch_size",
         "parameters, gradients and optimizer state": "more pipeline stages, or an optimizer with less state",
     }[biggest]
-    raise MemoryError_(
+    raise MemoryPlanError(
         f"{layout.world_size} process(es) of {layout} cannot hold this model and batch: the fullest needs about "
         f"{_describe(plan)} (mostly {biggest}), more than the {budget / GIB:,.2f} GiB a process may use ({source}).\n"
         f"{plan.table()}\n"

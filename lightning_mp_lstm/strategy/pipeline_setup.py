@@ -35,7 +35,7 @@ from lightning_mp_lstm.models.module_audit import NotReproducedWarning, audit, p
 from lightning_mp_lstm.pipeline.engine import PipelineEngine, ProcessGroups, build_engine
 from lightning_mp_lstm.pipeline.tied import TiedWeights
 from lightning_mp_lstm.planning.layout import ParallelLayout
-from lightning_mp_lstm.planning.memory import MemoryError_
+from lightning_mp_lstm.planning.memory import MemoryPlanError
 from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
 from lightning_mp_lstm.strategy.memory_check import check_memory
 from lightning_mp_lstm.strategy.options import ProcessOptions
@@ -224,7 +224,7 @@ def plan_memory_of_run(module: torch.nn.Module, blocks: PipelineModel, layout: P
     if process.checkpoint_format == "auto":
         try:
             return check_memory(*arguments, one_file_checkpoint=True), "file"
-        except MemoryError_:
+        except MemoryPlanError:
             return check_memory(*arguments), "sharded"
     return check_memory(*arguments, one_file_checkpoint=process.checkpoint_format == "file"), \
         process.checkpoint_format

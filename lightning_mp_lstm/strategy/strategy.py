@@ -296,7 +296,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
                 batch shape and the data module does not say it.
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
             LayoutError: ``n_microbatches`` does not fit the batch, or ``time_chunks`` the shortest bucket.
-            MemoryError_: ``fitting`` (and ``memory``) and some process of the layout cannot hold its share of the
+            MemoryPlanError: ``fitting`` (and ``memory``) and some process of the layout cannot hold its share of the
                 model, its optimizer state and the largest training batch's activations within ``memory_per_process``
                 (for the partition that holds the least when the partition is measured later).
         """
