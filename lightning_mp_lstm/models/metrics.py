@@ -22,12 +22,36 @@ import torch
 from torchmetrics import MeanMetric, Metric
 from typing_extensions import override
 
-__all__ = ["LanguageModelMetrics", "TokenMean", "perplexity"]
+from lightning_mp_lstm.models.objective import DECLARED_LOSS
+
+__all__ = ["LanguageModelMetrics", "TokenMean", "perplexity", "train_quantities"]
 
 
 def perplexity(loss: float) -> float:
     """``exp(loss)`` guarded against overflow."""
     return math.exp(min(loss, 700.0))
+
+
+def train_quantities(loss: torch.Tensor, terms: dict[str, torch.Tensor], weights: torch.Tensor | None,
+                     reduction: str) -> dict[str, torch.Tensor]:
+    """What a training batch can log, by metric name: ``loss``, the objective optimized (the declared loss and its
+    penalty); each named term; and where they differ from ``loss``, ``declared_loss`` (the declared loss without the
+    penalty, as ``reduction`` averages it) and ``loss_per_token`` (the declared loss per target token, what perplexity
+    is the exponential of).
+
+    Args:
+        weights: the global batch's ``[tokens, sequences]`` (``None``: no per-token value).
+    """
+    terms = dict(terms)
+    declared = terms.pop(DECLARED_LOSS, None)
+    values = {"loss": loss, **terms}
+    if declared is not None:
+        values["declared_loss"] = declared
+    if weights is not None and weights.numel() > 1 and (declared is not None or reduction != "token_mean"):
+        base = loss if declared is None else declared
+        per = {"token_mean": weights[0], "sequence_mean": weights[1]}.get(reduction, torch.ones_like(weights[0]))
+        values["loss_per_token"] = base * per.to(base.dtype) / weights[0].clamp(min=1).to(base.dtype)
+    return values
 
 
 class TokenMean(Metric):
@@ -73,11 +97,27 @@ class LanguageModelMetrics:
                  train_flags: dict[str, dict[str, bool]] | None = None) -> None:
         self.name, self.reduction = name, reduction
         self.train_flags = dict(train_flags or {})
+        self.train_names: dict[str, str] = {}
         self._means: dict[tuple[str, str], Metric] = {}
         self._last_step: float | None = None
         self._tokens: torch.Tensor | None = None  # since the speed was last logged
         self._seconds = 0.0
         self._speeds: list[torch.Tensor] = []  # each step's since the speed was last logged
+
+    def log_as(self, names: dict[str, str], flags: dict[str, dict[str, bool]]) -> None:
+        """Log training quantities under a module's own names (``quantity -> name``: what its ``training_step``
+        logs under that name, as the numerical check found) with its ``on_step`` / ``on_epoch`` (by name); a quantity
+        whose name a module gives to another (the objective, when the module's ``train_loss`` is the cross-entropy
+        alone) is logged as ``objective``."""
+        self.train_flags.update(flags)
+        taken = set(names.values())
+        for quantity, name in names.items():
+            self.train_names[quantity] = name
+        for quantity in ("loss", "loss_per_token"):
+            own = self.name.format(split="train", metric=quantity)
+            if own in taken and quantity not in names:
+                self.train_names[quantity] = self.name.format(split="train", metric="objective" if quantity == "loss"
+                                                              else "pipeline_loss_per_token")
 
     def start_epoch(self) -> None:
         """A training epoch starts: the first step's interval would include the epoch's set-up."""
@@ -110,14 +150,17 @@ class LanguageModelMetrics:
         """
         terms = terms or {}
         if split == "train":
-            for metric, value in (("loss", loss), *terms.items()):
-                name = self.name.format(split=split, metric=metric)
+            for metric, value in train_quantities(loss, terms, weights, self.reduction).items():
+                name = self.train_names.get(metric) or self.name.format(split=split, metric=metric)
+                if metric == "declared_loss" and metric not in self.train_names:
+                    continue  # logged only under a module's own name for it (else its per-token value is)
                 flags = self.train_flags.get(name, {})
                 # An epoch's mean weighs each step by the global batch's size, as one process's Lightning infers it
                 # (a share's global count is read on the host only then).
                 share = flags.get("on_epoch") and not rows_are_global and weights is not None and weights.numel() > 1
                 size = int(weights[1]) if share else rows
-                module.log(name, value, prog_bar=metric == "loss", batch_size=size, **flags)
+                module.log(name, value, prog_bar=name == self.name.format(split=split, metric="loss"),
+                           batch_size=size, **flags)
             self._log_speed(module, tokens)
             return
         sequences = weights[1] if weights is not None else torch.full((), rows, device=loss.device)

@@ -24,7 +24,11 @@ from torch import nn
 
 from lightning_mp_lstm.models.decoded_loss import decoded_cross_entropy, token_cross_entropy
 
-__all__ = ["Objective", "to_user_layout", "token_cross_entropy"]
+__all__ = ["DECLARED_LOSS", "Objective", "to_user_layout", "token_cross_entropy"]
+
+#: The term a training batch reports beside a penalty: the declared loss alone (not a name a module's dict can give:
+#: the metrics use it and do not log it under this name).
+DECLARED_LOSS = "(declared loss)"
 
 
 def to_user_layout(tensor: torch.Tensor, time_first: bool) -> torch.Tensor:
@@ -138,7 +142,7 @@ class Objective:
             if microbatch is None:
                 return summed
             normalizer = self._normalizer()
-            return self._record({"loss": summed}, 1.0 / normalizer.to(summed.dtype))
+            return self._declared(self._record({"loss": summed}, 1.0 / normalizer.to(summed.dtype)))
         real = logits.shape[0] if microbatch is None else self._rows(microbatch)
         if real == 0:  # only rows added to split the batch: nothing of the module's loss
             return logits.sum() * 0
@@ -153,7 +157,13 @@ class Objective:
         dtype = next(iter(terms.values())).dtype
         weight = (weight.to(torch.float64) if isinstance(weight, torch.Tensor)
                   else torch.full((), weight, dtype=torch.float64, device=logits.device))  # no host-to-device copy
-        return self._record(terms, (weight / self._normalizer().double()).to(dtype))
+        return self._declared(self._record(terms, (weight / self._normalizer().double()).to(dtype)))
+
+    def _declared(self, total: torch.Tensor) -> torch.Tensor:
+        """Keep the declared loss's piece apart from the penalty's where a penalty is added to it (in training)."""
+        if self.penalty is not None and torch.is_grad_enabled():
+            self._add(DECLARED_LOSS, total)
+        return total
 
     def _builtin(self, outputs: Any, targets: torch.Tensor, decoder: nn.Module | None = None) -> torch.Tensor:
         if self.decoder is None:

@@ -4,7 +4,6 @@ strategy's setup, one function each. The strategy calls them; they know nothing 
 from __future__ import annotations
 
 import atexit
-import copy
 import gc
 import warnings
 from collections.abc import Iterable
@@ -28,7 +27,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mp_lstm.base.faults import PeerDirectory, forget_object_groups, setup_object_group
-from lightning_mp_lstm.models.binding import bind
 from lightning_mp_lstm.models.contract import PipelineModel, check_data
 from lightning_mp_lstm.models.declaration import ModelDeclarationError
 from lightning_mp_lstm.models.module_audit import NotReproducedWarning, audit, parameters_outside, render_findings
@@ -284,27 +282,45 @@ def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: 
         warnings.warn(render_findings(name, findings), NotReproducedWarning, stacklevel=2)
 
 
-def make_verifier(module: torch.nn.Module, blocks: PipelineModel, reference: bool, device: torch.device,
-                  precision: Precision) -> Any:
-    """The :class:`~lightning_mp_lstm.strategy.verify.Verifier` of ``module`` 's declaration
-    (``MPLSTMStrategy(verify=True)``): with ``reference`` (global rank 0), a whole copy of the module as it will train
-    (real values on ``device``, in the run's precision), taken before the pipeline prunes it. ``None`` (skipped, with
-    one line) for a module built on the meta device: the check would materialize the whole model on one process."""
-    from lightning_mp_lstm.strategy.verify import Verifier  # only for verify=True
+def make_verifier(module: torch.nn.Module, blocks: PipelineModel, verify: bool | str, rank_zero: bool,
+                  layout: ParallelLayout, memory: Any = None) -> Any:
+    """The :class:`~lightning_mp_lstm.strategy.verify.Verifier` of ``module`` 's declaration, made before the pipeline
+    prunes the module (global rank 0 keeps hold of every block: ``rank_zero``), or ``None`` where it is skipped, with
+    one line saying why: ``verify="auto"`` checks a user's module whenever global rank 0 holds all of it (built
+    normally, not on the meta device, and with room for its gradients beside its own share where the memory plan has
+    a budget); the library's own :class:`~lightning_mp_lstm.LSTMLanguageModel`, whose pieces are its training step, is
+    checked by the test suite. Every rank decides alike (from the module's kind and global rank 0's memory plan).
+
+    Raises:
+        TypeError: ``verify=True`` on a custom pipeline model (it has no ``training_step`` of its own to compare).
+    """
+    from lightning_mp_lstm.strategy.verify import Verifier  # only when verifying
+    from lightning_mp_lstm.strategy.whole_module import WholeModule
 
     declaration = getattr(blocks, "declaration", None)
-    if declaration is None:
-        raise TypeError("verify=True compares a module with its LSTMBlocks declaration; a custom pipeline model has "
-                        "no training_step of its own to compare with")
-    if any(p.is_meta for p in module.parameters()):  # every rank was built the same way: the same decision
-        rank_zero_info(f"mp_lstm: verify=True skipped: {type(module).__name__} was built on the meta device "
-                       "(trainer.init_module(empty_init=True)), and no process holds the whole model to run its own "
-                       "training_step; build it normally to check the declaration")
+    name = type(module).__name__
+    if declaration is None or getattr(blocks, "module", None) is not module:
+        if verify is True:
+            raise TypeError("verify=True compares a module with its LSTMBlocks declaration; a custom pipeline model "
+                            "has no training_step of its own to compare with")
         return None
-    copy_ = None
-    if reference:
-        copy_ = copy.deepcopy(module)
-        view = bind(declaration, copy_, blocks.seed)
-        view.materialize_blocks(view.block_names, device)
-        copy_ = precision.convert_module(copy_.to(device))
-    return Verifier(copy_, blocks.block_names, declaration.time_first, declaration.log_name, declaration.lstm)
+    skip = None
+    if any(p.is_meta for p in module.parameters()):
+        skip = (f"{name} was built on the meta device (trainer.init_module(empty_init=True)), and no process holds the "
+                "whole model to run its own training_step; build it normally to check the declaration")
+    elif verify == "auto" and type(module).__module__.startswith("lightning_mp_lstm."):
+        skip = (f"{name} is this library's own model, whose declared pieces are its training step (checked by the "
+                "library's tests); verify=True checks it here too")
+    elif verify == "auto" and memory is not None and memory.budget is not None:
+        whole = 2 * sum(p.numel() * p.element_size() for p in module.parameters())
+        need = memory.ranks[0].training + whole
+        if need > memory.budget:
+            skip = (f"global rank 0 would need {need / 2**20:,.0f} MiB to run {name}'s own training_step beside its "
+                    f"share (budget {memory.budget / 2**20:,.0f} MiB); verify=True checks it anyway")
+    if skip is not None:
+        rank_zero_info(f"mp_lstm: the numerical check of the declaration is skipped: {skip}")
+        return None
+    paths = (declaration.embedding, declaration.lstm, declaration.decoder)
+    whole = WholeModule(module, paths, layout.tensor_parallel_size > 1) if rank_zero else None
+    return Verifier(whole, blocks.block_names, declaration.time_first, declaration.log_name, declaration.lstm,
+                    declaration.reduction)

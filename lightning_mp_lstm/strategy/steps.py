@@ -38,6 +38,8 @@ class PipelineSteps:
     _step_clock: report.StepClock
     _measurements: report.Measurements | None
     _verifier: Verifier | None
+    #: The numerical check of the module's declaration, once it ran (its table: ``verification.table()``).
+    verification: Any = None
 
     @override
     def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
@@ -105,7 +107,7 @@ class PipelineSteps:
         rank_zero_info(report.measured_line(self.plan, self._measurements, self._step_clock.after_steps))
 
     def _run_verification(self, batch: Any) -> None:
-        from lightning_mp_lstm.strategy.verify import STEPS, VerificationError  # only for verify=True
+        from lightning_mp_lstm.strategy.verify import STEPS, VerificationError  # only when verifying
 
         module = self.lightning_module
         layout = self.engine.layout
@@ -113,10 +115,13 @@ class PipelineSteps:
                  f"(data x pipeline x tensor = {layout.data_parallel_size} x {layout.pipeline_parallel_size} x "
                  f"{layout.tensor_parallel_size}, {layout.schedule}, {layout.n_microbatches} microbatches), {STEPS} "
                  "steps on the first training batch, random draws equal")
-        comparison = self._verifier.run(self.engine, module, batch, module.trainer, title,
+        comparison = self._verifier.run(self.engine, module, batch, module.trainer, title, self.root_device,
+                                        self.precision_plugin.convert_module,
                                         self.precision_plugin.inner.train_step_context)
+        self.verification = comparison
         if not comparison.ok:
             raise VerificationError(comparison.table())
+        self._metrics.log_as(comparison.names, comparison.flags)
         rank_zero_info(comparison.table())
 
     @override

@@ -40,7 +40,6 @@ from typing_extensions import override
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm.base.allocator import return_freed_memory
 from lightning_mp_lstm.base.faults import PeerDirectory, result_from
-from lightning_mp_lstm.base.validation import check_bool
 from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.models.metrics import LanguageModelMetrics
@@ -120,6 +119,8 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
             float32 and deterministic cuDNN kernels, to compare layouts with one process to 1e-5 on GPUs).
         verify: before training on the first batch, compare the module's own ``training_step`` on one process with
             the pipeline on it (:mod:`~lightning_mp_lstm.strategy.verify`); a difference stops the run, naming it.
+            ``"auto"``: for a user's module whenever global rank 0 holds all of it (skipped with one line otherwise);
+            ``True``: always (the library's own model too); ``False``: never.
         process_group_backend: override the backend chosen from the device (gloo on CPU, nccl on CUDA).
         memory_per_process: GiB of memory one process may use (``"auto"``: the GPU's, or the machine's over its
             processes): the memory plan (parameters, gradients, optimizer state, activations in flight and the loss's
@@ -150,7 +151,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         timeout: float | timedelta = 300.0,
         num_threads: int | str = "auto",
         numerics: str = "default",
-        verify: bool = False,
+        verify: bool | str = "auto",
         process_group_backend: str | None = None,
         memory_per_process: float | str = "auto",
         stop_signals: Sequence[str] = ("SIGTERM",),
@@ -185,7 +186,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         self._checkpoints = ckpt.checkpoint_format("file" if self._process.checkpoint_format == "auto"
                                                    else self._process.checkpoint_format)
         self._memory: Any = None  # the run's memory plan (planning.memory.MemoryPlan), when the data gives a batch
-        self._verify = check_bool("verify", verify)
+        if verify not in (True, False, "auto"):
+            raise ValueError(f"verify must be True, False or 'auto', got {verify!r}")
+        self._verify = verify
         self._verifier: Any = None  # a verify.Verifier with verify=True
         if self._process.fixed_world_size is not None:
             self._resolve_layout(self._process.fixed_world_size)
@@ -372,9 +375,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
                                f"{self.report}{table}")
         if self._model_names.state_keys is None:  # the whole model, before pruning
             self._model_names = ckpt.ModelNames.of(module)
-        if self._verify and trainer.state.fn == TrainerFn.FITTING and self._verifier is None:
-            self._verifier = make_verifier(module, blocks, self.global_rank == 0, self.root_device,
-                                           self.precision_plugin)
+        if self._verify is not False and trainer.state.fn == TrainerFn.FITTING and self._verifier is None:
+            self._verifier = make_verifier(module, blocks, self._verify, self.global_rank == 0, self.layout,
+                                           self._memory)
         return assemble_engine(module, blocks, self._plan, self.device_mesh, self.global_rank, self.root_device,
                                dict(self._model_names.aliases))
 

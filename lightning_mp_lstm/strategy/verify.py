@@ -1,13 +1,17 @@
 """Check a module's declaration numerically: its own ``training_step`` on one process against the pipeline.
 
-``MPLSTMStrategy(verify=True)`` does this at the first training batch, before training on it: global rank 0 runs the
-module's own ``training_step`` (on a whole copy of the module taken before the pipeline split it) twice on the batch,
-the second from the state the first carried, recording every random draw by block
+``MPLSTMStrategy`` does this by default (``verify="auto"``) at the first training batch, before training on it,
+whenever global rank 0 holds the whole module: global rank 0 runs the module's own ``training_step`` twice on the
+batch, on the module itself made whole again (:class:`~lightning_mp_lstm.strategy.whole_module.WholeModule`: no copy),
+the second step from the state the first carried, recording every random draw by block
 (:class:`~lightning_mp_lstm.strategy.random_tape.RandomTape`); every rank then runs the pipeline on the same batch
-twice, replaying those draws, so the two sides see the same dropout masks; then the loss, each metric the step logged
+twice, replaying those draws, so the two sides see the same dropout masks; then the loss, every metric the step logged
 and every parameter's gradient are compared, and a table names what differs (and the random draws one side made and the
-other did not). A difference stops the run (:class:`VerificationError`) before the first optimizer step; nothing is
-changed by a verification that passes (gradients, carried state and random streams are as before).
+other did not). A metric the module logs under a name is compared with what the pipeline would log under it; when it
+is another quantity the pipeline has (the declared loss without the penalty, or per target token), the pipeline logs
+that quantity under the module's name from then on (:attr:`Comparison.names`), else it differs. A difference stops the
+run (:class:`VerificationError`) before the first optimizer step; nothing is changed by a verification that passes
+(the module's attributes, gradients, carried state and random streams are as before).
 
 ``python -m lightning_mp_lstm.app.verify package.module:Model --data package.module:DataModule --devices 2`` runs it
 from the command line (:mod:`~lightning_mp_lstm.app.verify`; its exit status is 1 when something differs).
@@ -16,8 +20,8 @@ from the command line (:mod:`~lightning_mp_lstm.app.verify`; its exit status is 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +31,9 @@ from torch import nn
 
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.models.batch_layout import rows_first
+from lightning_mp_lstm.models.metrics import train_quantities
 from lightning_mp_lstm.strategy.random_tape import RandomTape
+from lightning_mp_lstm.strategy.whole_module import WholeModule
 
 __all__ = ["Comparison", "VerificationError", "Verifier"]
 
@@ -46,6 +52,13 @@ class Comparison:
 
     title: str
     rows: list[tuple[str, str, str, str, bool]] = field(default_factory=list)
+    #: What is true of the module's step and the pipeline without being a difference.
+    notes: list[str] = field(default_factory=list)
+    #: The pipeline's quantity (``loss``, ``loss_per_token``, ``declared_loss``, a term) -> the name the module logs
+    #: it under, where that is not the pipeline's own name for it.
+    names: dict[str, str] = field(default_factory=dict)
+    #: The ``on_step`` / ``on_epoch`` each metric was logged with by the module's step.
+    flags: dict[str, dict[str, bool]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -63,7 +76,7 @@ class Comparison:
         lines = [self.title] + ["  " + "  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
         verdict = "the pipeline reproduces the module's training step" if self.ok else \
             "the pipeline does NOT reproduce the module's training step"
-        return "\n".join([*lines, verdict])
+        return "\n".join([*lines, *(f"note: {note}" for note in self.notes), verdict])
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,16 +103,16 @@ class Verifier:
     """Runs one verification (see the module docstring).
 
     Args:
-        reference: a whole copy of the user's module (global rank 0 only; ``None`` elsewhere).
+        whole: global rank 0's hold on the blocks pruning removes (``None`` elsewhere).
         blocks: the pipeline view's block names; ``time_first``: the module's batch layout; ``log_name``: what the
-            strategy logs the loss terms under.
+            strategy logs the loss terms under; ``reduction``: the declared loss's.
         lstm_path: the declared LSTM stack's attribute path (its layers are the blocks between the first and last).
     """
 
-    def __init__(self, reference: nn.Module | None, blocks: Sequence[str], time_first: bool, log_name: str,
-                 lstm_path: str) -> None:
-        self.reference, self.blocks, self.time_first, self.log_name = reference, list(blocks), time_first, log_name
-        self.lstm_path = lstm_path
+    def __init__(self, whole: WholeModule | None, blocks: Sequence[str], time_first: bool, log_name: str,
+                 lstm_path: str, reduction: str = "token_mean") -> None:
+        self.whole, self.blocks, self.time_first, self.log_name = whole, list(blocks), time_first, log_name
+        self.lstm_path, self.reduction = lstm_path, reduction
         self.done = False
 
     # ----- the module's own step, on global rank 0 -------------------------------------------------------------------
@@ -117,100 +130,129 @@ class Verifier:
         handles.append(module.get_submodule(decoder).register_forward_pre_hook(lambda *_: self._tape.enter(decoder)))
         return handles
 
-    def _reference_steps(self, batch: Any, trainer: Any) -> dict[str, Any]:
-        module = self.reference
-        assert module is not None
-        module.train()
-        module._trainer = trainer  # noqa: SLF001  (read by steps that look at the trainer; it logs nothing here)
+    def _reference_steps(self, module: nn.Module, batch: Any, trainer: Any, device: torch.device,
+                         convert: Callable[[nn.Module], Any]) -> dict[str, Any]:
+        """The module's own ``training_step``, :data:`STEPS` times, on ``module`` made whole (restored after)."""
+        assert self.whole is not None
         rows, length = self._shape(batch)
         logged: list[dict[str, float]] = []
-        module.log = lambda name, value, *a, **k: logged[-1].__setitem__(name, _value(value))  # type: ignore
-        module.log_dict = lambda values, *a, **k: logged[-1].update({n: _value(v) for n, v in values.items()})
-        for parameter in module.parameters():
-            parameter.requires_grad_(True)
-        hooks = self._region_hooks(module)
-        losses, grads, tapes = [], [], []
-        try:
-            with torch.random.fork_rng(devices=[]):
+        flags: dict[str, dict[str, bool]] = {}
+
+        def log(name: str, value: Any, *_: Any, **options: Any) -> None:
+            logged[-1][name] = _value(value)
+            flags[name] = {k: bool(options[k]) for k in ("on_step", "on_epoch") if options.get(k) is not None}
+
+        losses, grads, tapes, extra = [], [], [], set()
+        with self.whole.attached(module, device, convert) as whole, _forked(device):
+            whole.train()
+            whole._trainer = trainer  # noqa: SLF001  (read by steps that look at the trainer; it logs nothing here)
+            whole.log = log  # type: ignore[method-assign]
+            whole.log_dict = lambda values, *a, **k: [log(n, v, *a, **k) for n, v in values.items()]  # type: ignore
+            for parameter in whole.parameters():
+                parameter.requires_grad_(True)
+            hooks = self._region_hooks(whole)
+            try:
                 for step in range(STEPS):
-                    module.zero_grad(set_to_none=True)
+                    whole.zero_grad(set_to_none=True)
                     logged.append({})
                     self._tape = RandomTape(rows, length, self.time_first)
                     self._tape.enter(self.blocks[0])
-                    with self._tape:
-                        out = module.training_step(batch, step)
-                    loss = out["loss"] if isinstance(out, Mapping) else out
-                    loss.backward()
+                    try:
+                        with self._tape:
+                            out = whole.training_step(batch, step)
+                        if isinstance(out, Mapping):
+                            extra |= {str(k) for k in out if k != "loss"}
+                        loss = out["loss"] if isinstance(out, Mapping) else out
+                        loss.backward()
+                    except Exception as error:
+                        raise VerificationError(
+                            f"the numerical check of the declaration runs {type(whole).__name__}.training_step on "
+                            f"the first training batch on global rank 0 (step {step} of {STEPS}), and it raised "
+                            f"{type(error).__name__}: {error}. Fix the step, or skip the check with "
+                            "MPLSTMStrategy(verify=False)") from error
                     losses.append(loss.detach().cpu())
-                    grads.append({n: p.grad.detach().cpu() for n, p in module.named_parameters(remove_duplicate=False)
-                                  if p.grad is not None})
+                    named = list(whole.named_parameters(remove_duplicate=False))
+                    grads.append({n: p.grad.detach().cpu() for n, p in named if p.grad is not None})
                     tapes.append(self._tape)
-        finally:
-            for handle in hooks:
-                handle.remove()
-        return {"losses": losses, "logged": logged, "grads": grads, "draws": [t.draws for t in tapes],
-                "names": [n for n, _ in module.named_parameters(remove_duplicate=False)]}
+            finally:
+                for handle in hooks:
+                    handle.remove()
+            groups: dict[int, list[str]] = {}
+            for name, parameter in whole.named_parameters(remove_duplicate=False):
+                groups.setdefault(id(parameter), []).append(name)
+        return {"losses": losses, "logged": logged, "flags": flags, "grads": grads, "draws": [t.draws for t in tapes],
+                "groups": list(groups.values()), "extra": sorted(extra)}
 
     def _shape(self, batch: Any) -> tuple[int, int]:
         inputs, _ = rows_first(batch[0], batch[1], self.time_first)
         return int(inputs.shape[0]), int(inputs.shape[1])
 
     # ----- the pipeline, on every rank ----------------------------------------------------------------------------
-    def run(self, engine: Any, module: nn.Module, batch: Any, trainer: Any, title: str,
-            context: Callable[[], Any] = nullcontext) -> Comparison:
+    def run(self, engine: Any, module: nn.Module, batch: Any, trainer: Any, title: str, device: torch.device,
+            convert: Callable[[nn.Module], Any], context: Callable[[], Any] = nullcontext) -> Comparison:
         """Verify on ``batch`` (the first training batch, as this rank was given it); every rank returns the same
-        comparison (a collective).
+        comparison (a collective). Global rank 0 lets go of the whole module's blocks afterwards.
 
         Args:
             engine: the strategy's pipeline engine; ``module``: the (pruned) module it trains.
-            trainer: attached to the reference copy while its step runs.
+            trainer: attached to the module while its own step runs.
             title: the table's first line.
+            device, convert: where global rank 0 runs the module's own step, and the precision plugin's
+                ``convert_module`` for the blocks it does not train.
             context: the precision plugin's training-step context (autocast), around both sides' steps.
         """
         self.done = True
         whole = self._whole_batch(engine, batch)
-        with context():
-            reference = faults.result_from(0, lambda: self._reference_steps(whole, trainer))
+        try:
+            with context():
+                reference = faults.result_from(0, lambda: self._reference_steps(module, whole, trainer, device,
+                                                                                convert))
+        finally:
+            self.whole = None  # the blocks other processes train are not needed here any more
         rows, length = self._shape(whole)
         offset = self._replica_offset(engine, batch)
         kernel_dropout = getattr(engine.model, "kernel_dropout", None)
         kernel_rate = kernel_dropout.p if kernel_dropout is not None else 0.0
         if kernel_dropout is not None:  # drawn inside torch's multi-layer kernel by the module: not recordable
             kernel_dropout.p = 0.0
-        parameters = dict(module.named_parameters(remove_duplicate=False))
-        saved = {name: p.grad for name, p in parameters.items()}
-        losses, terms, grads, notes = [], [], [], []
-        for step in range(STEPS):
-            for p in parameters.values():
-                p.grad = None
-            tape = RandomTape(rows, length, self.time_first)
-            tape.draws = reference["draws"][step]
-            tape.replay()
-            hooks = self._piece_hooks(engine, tape, offset)
-            try:
-                with tape, context():
-                    result = engine.forward_backward(batch)
-            finally:
-                for handle in hooks:
-                    handle.remove()
-            engine.reduce_gradients(list(module.parameters()))
-            losses.append(result.loss.detach().cpu())
-            terms.append({n: v.detach().cpu() for n, v in result.terms.items()})
-            grads.append({n: p.grad.detach().cpu() for n, p in parameters.items() if p.grad is not None})
-            notes.append(tape.mismatches + [f"block {b}: the module's own step draws {k} random tensor(s) the "
-                                            "pipeline never draws (a random part it does not reproduce)"
-                                            for b, k in sorted(tape.unused().items())])
-        for name, p in parameters.items():
-            p.grad = saved[name]
+        saved = {p: p.grad for p in module.parameters()}
+        losses, quantities, grads, notes = [], [], [], []
+        with _forked(device):
+            for step in range(STEPS):
+                for p in saved:
+                    p.grad = None
+                tape = RandomTape(rows, length, self.time_first)
+                tape.draws = reference["draws"][step]
+                tape.replay()
+                hooks = self._piece_hooks(engine, tape, offset)
+                try:
+                    with tape, context():
+                        result = engine.forward_backward(batch)
+                finally:
+                    for handle in hooks:
+                        handle.remove()
+                engine.reduce_gradients(list(module.parameters()))
+                losses.append(result.loss.detach().cpu())
+                quantities.append({n: v.detach().cpu() for n, v in train_quantities(
+                    result.loss, result.terms, result.weights, self.reduction).items()})
+                named = module.named_parameters(remove_duplicate=False)  # after a forward: aliases it made too
+                grads.append({n: p.grad.detach().cpu() for n, p in named if p.grad is not None})
+                notes.append(tape.mismatches + [f"block {b}: the module's own step draws {k} random tensor(s) the "
+                                                "pipeline never draws (a random part it does not reproduce)"
+                                                for b, k in sorted(tape.unused().items())])
+        for p, grad in saved.items():
+            p.grad = grad
         engine.reset_state("train")
         if kernel_dropout is not None:
             kernel_dropout.p = kernel_rate
-            notes[0].append(f"note: the multi-layer nn.LSTM's own dropout ({kernel_rate}) is drawn inside torch's "
-                            "kernel, so both sides ran it at rate 0 here")
         every = faults.gather(lambda: {"grads": grads, "notes": notes})
         comparison = Comparison(title)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            comparison = self._compare(title, reference, losses, terms, every)
+            comparison = self._compare(title, reference, losses, quantities, every)
+            if kernel_rate:
+                comparison.notes.append(f"the multi-layer nn.LSTM's own dropout ({kernel_rate}) is drawn inside "
+                                        "torch's kernel, where it cannot be replayed: both sides ran it at rate 0 "
+                                        "here, and train with it")
         return faults.result_from(0, lambda: comparison)
 
     def _whole_batch(self, engine: Any, batch: Any) -> Any:
@@ -258,39 +300,76 @@ class Verifier:
         return handles
 
     # ----- the table --------------------------------------------------------------------------------------------
-    def _compare(self, title: str, reference: dict[str, Any], losses: list, terms: list, every: list) -> Comparison:
-        comparison = Comparison(title)
+    def _compare(self, title: str, reference: dict[str, Any], losses: list, quantities: list,
+                 every: list) -> Comparison:
+        comparison = Comparison(title, flags=reference["flags"])
         for step in range(STEPS):
             expected, got = reference["losses"][step], losses[step]
             error = _relative(got, expected)
             comparison.add(f"step {step} loss", float(expected), float(got), error, error <= _tolerance(expected))
-            logged = reference["logged"][step]
-            produced = {self.log_name.format(split="train", metric="loss"): got}
-            produced |= {self.log_name.format(split="train", metric=n): v for n, v in terms[step].items()}
-            for name, value in sorted(logged.items()):
-                if name in produced:
-                    error = _relative(produced[name], torch.tensor(value, dtype=torch.float64))
-                    comparison.add(f"step {step} metric {name}", value, float(produced[name]), error,
-                                   error <= _tolerance(expected))
-                else:
-                    comparison.add(f"step {step} metric {name}", value, "not logged", None, False)
             self._compare_grads(comparison, step, reference, [rank["grads"][step] for rank in every])
+        self._compare_metrics(comparison, reference["logged"], quantities)
         for note in sorted({n for rank in every for step_notes in rank["notes"] for n in step_notes}):
             comparison.add(note, "-", "-", None, False)
+        if reference["extra"]:
+            comparison.notes.append(f"training_step returns {', '.join(map(repr, reference['extra']))} beside 'loss', "
+                                    "which Lightning hands to on_train_batch_end as outputs: the pipeline's outputs "
+                                    "hold the loss alone")
         return comparison
+
+    def _compare_metrics(self, comparison: Comparison, logged: list[dict[str, float]], quantities: list) -> None:
+        """Each metric the module's step logged against what the pipeline logs under its name, or else against
+        another quantity the pipeline has (then logged under the module's name)."""
+        own = {self.log_name.format(split="train", metric=q): q for q in quantities[0]}
+        for name in sorted({n for step in logged for n in step}):
+            def agrees(quantity: str) -> list[tuple[float, float, float]] | None:
+                found = []
+                for step in range(STEPS):
+                    if name not in logged[step] or quantity not in quantities[step]:
+                        return None
+                    value, got = logged[step][name], quantities[step][quantity]
+                    error = _relative(got, torch.tensor(value, dtype=torch.float64))
+                    if error > _tolerance(got.float()):
+                        return None
+                    found.append((value, float(got), error))
+                return found
+
+            match = own.get(name) if own.get(name) and agrees(own[name]) else next(
+                (q for q in quantities[0] if agrees(q)), None)
+            if match is None and name not in own:
+                comparison.notes.append(f"metric {name!r}, which training_step logs, is not logged under mp_lstm (it "
+                                        "logs " + ", ".join(sorted(own)) + "): log it from a hook or callback")
+                continue
+            if match is None:
+                for step in range(STEPS):
+                    value, got = logged[step].get(name), quantities[step].get(own[name])
+                    error = None if value is None or got is None else _relative(got, torch.tensor(value))
+                    comparison.add(f"step {step} metric {name}", value, "-" if got is None else float(got), error,
+                                   error is not None and error <= _tolerance(got.float()))
+                continue
+            for step, (value, got, error) in enumerate(agrees(match) or []):
+                what = f"step {step} metric {name}" + ("" if own.get(name) == match else f" (the pipeline's {match})")
+                comparison.add(what, value, got, error, True)
+            if own.get(name) != match:
+                comparison.names[match] = name
 
     def _compare_grads(self, comparison: Comparison, step: int, reference: dict[str, Any],
                        per_rank: list[dict[str, torch.Tensor]]) -> None:
+        """Every parameter's gradient, once per parameter under any of its names (a tied weight or an alias a
+        wrapper makes, such as a weight-dropped LSTM's raw weight at rate 0, is one parameter)."""
         expected = reference["grads"][step]
         worst: dict[str, tuple[float, float, list[str]]] = {}
-        for name in reference["names"]:
+        for names in reference["groups"]:
+            name = names[0]
+            wanted = next((expected[n] for n in names if n in expected), None)
+            copies = [next(grads[n] for n in names if n in grads) for grads in per_rank
+                      if any(n in grads for n in names)]
             block = _block_of(name, self.blocks)
-            copies = [grads[name] for grads in per_rank if name in grads]
-            tolerance = _tolerance(*copies, expected[name]) if name in expected and copies else 1e-5
-            if name in expected and not copies:
+            tolerance = _tolerance(*copies, wanted) if wanted is not None and copies else 1e-5
+            if wanted is not None and not copies:
                 error = float("inf")
             elif copies:
-                error = max(_relative(c, expected[name]) if name in expected else float(c.norm() > 0) for c in copies)
+                error = max(_relative(c, wanted) if wanted is not None else float(c.norm() > 0) for c in copies)
             else:
                 continue
             best, tol, bad = worst.get(block, (0.0, tolerance, []))
@@ -300,6 +379,14 @@ class Verifier:
             what = f"step {step} gradients of {block}" + (f" ({', '.join(bad)})" if bad else "")
             comparison.add(what, None, "no gradient" if error == float("inf") else None,
                            None if error == float("inf") else error, not bad)
+
+
+@contextmanager
+def _forked(device: torch.device) -> Iterator[None]:
+    """The random streams (the CPU's and ``device``'s) as they were before."""
+    accelerator = {} if device.type == "cpu" else {"devices": [device], "device_type": device.type}
+    with torch.random.fork_rng(**({"devices": []} | accelerator)):
+        yield
 
 
 def _value(value: Any) -> float:
