@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_mp_lstm.models.module_audit import RANDOM_CALLS, read_methods
-
 __all__ = ["LOSSES", "LSTMBlocks", "ModelDeclarationError", "REDUCTIONS", "missing_declaration_message"]
 
 #: The built-in losses a declaration may name: cross-entropy of the decoder's logits, or the negative log-likelihood of
@@ -162,21 +160,25 @@ class LSTMBlocks:
         return {role: name for role, name in named.items() if name is not None}
 
 
-def _guess(module: nn.Module) -> dict[str, str]:
-    """The attribute paths of ``module``'s first embedding, LSTM stack, linear layer and dropout (and whether its LSTM
-    is time first), for the message."""
+def _structure(module: nn.Module) -> dict[str, str]:
+    """The attribute paths of ``module``'s first embedding, LSTM stack (an ``nn.LSTM`` or an ``nn.ModuleList`` holding
+    LSTMs), decoder (an ``nn.AdaptiveLogSoftmaxWithLoss``, else the last ``nn.Linear``) and dropout, and whether its
+    LSTM is time first: what its submodules show, whatever its steps do."""
     found: dict[str, str] = {}
+    taken: tuple[str, ...] = ()  # the stack and an adaptive softmax are found whole: their submodules are theirs
     for name, child in module.named_modules():
-        lstms = [m for m in child.modules() if isinstance(m, nn.LSTM)]
-        if not name:
+        if not name or name.startswith(taken):
             continue
+        lstms = [m for m in child.modules() if isinstance(m, nn.LSTM)]
         if isinstance(child, nn.Embedding):
             found.setdefault("embedding", name)
         elif "lstm" not in found and lstms and isinstance(child, (nn.LSTM, nn.ModuleList)):
-            found["lstm"] = name  # a ModuleList of LSTMs comes before its members
+            found["lstm"], taken = name, (*taken, f"{name}.")
             if not lstms[0].batch_first:
                 found["time_first"] = "True"
-        elif isinstance(child, nn.Linear):
+        elif isinstance(child, nn.AdaptiveLogSoftmaxWithLoss):
+            found["decoder"], found["adaptive"], taken = name, "True", (*taken, f"{name}.")
+        elif isinstance(child, nn.Linear) and "adaptive" not in found:
             found["decoder"] = name  # the last one
         elif isinstance(child, nn.Dropout):
             found.setdefault("dropout", name)
@@ -184,36 +186,36 @@ def _guess(module: nn.Module) -> dict[str, str]:
 
 
 def missing_declaration_message(module: nn.Module) -> str:
-    """What to add to ``module`` so that ``mp_lstm`` can split it: the declaration with its own attribute names, and
-    what its training step shows it needs (time-first batches, carried state, NLL, its own glue)."""
-    names = {"embedding": "encoder", "lstm": "rnn", "decoder": "decoder", **_guess(module)}
-    step = read_methods(type(module), ["training_step"])
-    extra, why = [], []
-    if "dropout" in names:
+    """What to add to ``module`` so that ``mp_lstm`` can split it: the declaration its submodules show, with its own
+    attribute names (time-first batches when its LSTM is not ``batch_first``, its ``nn.Dropout``), and what only its
+    author can add: its steps are not read; the numerical check compares them with the declaration."""
+    name = type(module).__name__
+    found = _structure(module)
+    names = {"embedding": "encoder", "lstm": "rnn", "decoder": "decoder", **found}
+    decoder = "its adaptive softmax" if found.get("adaptive") else "its last nn.Linear"
+    shown = [f"{names[role]} {what}" if role in found else f"no {kind} found ({names[role]!r} stands in)"
+             for role, what, kind in (("embedding", "is its nn.Embedding", "nn.Embedding"),
+                                      ("lstm", "its LSTM stack", "nn.LSTM"),
+                                      ("decoder", decoder, "nn.Linear"))]
+    extra = []
+    if "dropout" in found:
         extra.append(f'dropout="{names["dropout"]}"')
-    if "nll_loss" in step.calls or "log_softmax" in step.calls:
-        extra.append('loss="nll"')
-    if names.get("time_first"):
+        shown.append(f"{names['dropout']} an nn.Dropout")
+    if found.get("time_first"):
         extra.append("time_first=True")
-        why.append("its LSTM takes (T, B) inputs (batch_first=False)")
-    if step.carried:
-        extra.append("carry_state=True")
-        why.append(f"training_step keeps self.{sorted(step.carried)[0]} across batches")
-    glue = sorted({call for call in step.calls if call in RANDOM_CALLS} - {"dropout"})
-    children = {name for name, _ in module.named_children()}
-    used = sorted(set(step.attributes) & children - {names["embedding"].split(".")[0], names["lstm"].split(".")[0],
-                                                     names["decoder"].split(".")[0], names.get("dropout", "")})
-    if glue or used:
-        why.append(f"its step also uses {', '.join([*used, *(f'{c}()' for c in glue)])}: compute that in methods and "
-                   "name them (embed=, after_lstm=, loss=, penalty=)")
+        shown.append("its LSTM takes (T, B) inputs (batch_first=False)")
     args = "".join(f", {e}" for e in extra)
     return (
-        f"mp_lstm needs to know which parts of {type(module).__name__} are the embedding, the LSTM layers and the "
-        f"decoder. Add to {type(module).__name__}:\n\n"
+        f"mp_lstm needs to know which parts of {name} are the embedding, the LSTM layers and the decoder. Add to "
+        f"{name}:\n\n"
         f"    def configure_pipeline(self):\n"
         f'        return LSTMBlocks(embedding="{names["embedding"]}", lstm="{names["lstm"]}", '
         f'decoder="{names["decoder"]}"{args})\n\n'
-        + (f"Why: {'; '.join(why)}. " if why else "")
-        + f"Import it with `from lightning_mp_lstm import LSTMBlocks`. The strategy then runs these pieces instead "
-        f"of training_step; check that they reproduce it with MPLSTMStrategy(verify=True). See {DOCS_PAGE}"
+        f"This comes from the structure of {name} alone, not from its training_step: {', '.join(shown)}. Name in "
+        "the declaration whatever else its training_step does: dropouts it draws itself (embed=, after_lstm=), a "
+        "regularizer such as AR/TAR (penalty=), state carried across batches (carry_state=True), an NLL loss on "
+        'log-probabilities (loss="nll") or a loss of its own (loss=). Import it with `from lightning_mp_lstm import '
+        "LSTMBlocks`. The strategy then runs these pieces instead of training_step and, by default "
+        f"(MPLSTMStrategy(verify=...)), checks them against {name}'s own training_step numerically at the first "
+        f"training batch, stopping with what differs. See {DOCS_PAGE}"
     )
