@@ -89,7 +89,7 @@ class LanguageModelMetrics:
         reduction: what the loss averages over (``"token_mean"``, ``"sequence_mean"``, ``"sum"``): evaluation
             batches are weighted by it, and perplexity is the exponential of the loss per target token.
         train_flags: logged name -> ``on_step`` / ``on_epoch`` for the training loss and terms (a module's own
-            ``training_step`` logs them so: :func:`~lightning_mp_lstm.models.module_audit.training_log_flags`);
+            ``training_step`` logs them so, as the numerical check of its declaration records: :meth:`log_as`);
             default: every step only.
     """
 

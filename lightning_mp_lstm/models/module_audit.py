@@ -13,8 +13,7 @@ The body of ``training_step`` is not read for what it computes: reading source c
 add up to it (a value computed at run time, a loss kept in ``self.criterion``, a model built in a submodule of the
 module's own are invisible to it, and guessing from patterns warned about correct modules and missed wrong ones).
 The numerical check does prove it: :mod:`~lightning_mp_lstm.strategy.verify` runs the module's own ``training_step``
-and the pipeline on the first training batch and names every loss, metric and gradient that differs. Only
-:func:`training_log_flags` still reads the step, for the ``on_step`` / ``on_epoch`` its ``self.log`` calls give.
+and the pipeline on the first training batch and names every loss, metric and gradient that differs.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Finding", "NotReproducedWarning", "audit", "parameters_outside", "render_findings", "training_log_flags"]
+__all__ = ["Finding", "NotReproducedWarning", "audit", "parameters_outside", "render_findings"]
 
 #: Calls that clip by the norm of the gradients they are given: under a split model, this process's part's.
 NORM_CLIPS = frozenset({"clip_grad_norm_", "clip_grad_norm", "clip_grads_with_norm_"})
@@ -71,12 +70,10 @@ def _call_name(node: ast.AST) -> str | None:
     return None
 
 
-def _read_calls(cls: type, names: Iterable[str]) -> tuple[dict[str, str], dict[str, dict[str, bool]]]:
+def _read_calls(cls: type, names: Iterable[str]) -> dict[str, str]:
     """The calls made by the methods ``names`` of ``cls`` and by every method of ``cls`` they call on ``self``
-    (``self(...)`` is ``forward``): the called name (``F.dropout`` -> ``dropout``) -> where (``"method, line N"``);
-    and, for each metric logged under a literal name, the literal ``on_step`` / ``on_epoch`` it is logged with."""
+    (``self(...)`` is ``forward``): the called name (``F.dropout`` -> ``dropout``) -> where (``"method, line N"``)."""
     calls: dict[str, str] = {}
-    flags: dict[str, dict[str, bool]] = {}
     pending, seen = list(names), set()
     while pending:
         name = pending.pop(0)
@@ -99,40 +96,9 @@ def _read_calls(cls: type, names: Iterable[str]) -> tuple[dict[str, str], dict[s
             if isinstance(node.func, ast.Name) and node.func.id == "self":
                 pending.append("forward")
             elif isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
-                    and node.func.value.id == "self":
-                if node.func.attr in ("log", "log_dict"):
-                    _read_log_flags(node, flags)
-                else:
-                    pending.append(node.func.attr)
-    return calls, flags
-
-
-def _read_log_flags(node: ast.Call, flags: dict[str, dict[str, bool]]) -> None:
-    if not node.args:
-        return
-    first = node.args[0]
-    given = {k.arg: k.value.value for k in node.keywords if k.arg in ("on_step", "on_epoch")
-             and isinstance(k.value, ast.Constant) and isinstance(k.value.value, bool)}
-    if node.func.attr == "log":  # type: ignore[attr-defined]
-        logged = [first.value] if isinstance(first, ast.Constant) else []
-    else:
-        logged = [key.value for key in first.keys if isinstance(key, ast.Constant)] \
-            if isinstance(first, ast.Dict) else []
-    for name in logged:
-        if given:
-            flags.setdefault(str(name), given)
-
-
-def training_log_flags(module: nn.Module) -> dict[str, dict[str, bool]]:
-    """The literal ``on_step`` / ``on_epoch`` of each metric ``module`` 's own ``training_step`` logs (the methods it
-    calls included), by name: the pipeline logs the metrics it shares with the step as the step does.
-
-    Read from the step's source until the numerical check gives the flags: the one reading of the step's body left.
-    """
-    cls = type(module)
-    if not callable(getattr(cls, "training_step", None)) or _base_method(cls, "training_step"):
-        return {}
-    return _read_calls(cls, ["training_step"])[1]
+                    and node.func.value.id == "self" and node.func.attr not in ("log", "log_dict"):
+                pending.append(node.func.attr)
+    return calls
 
 
 def parameters_outside(module: nn.Module, block_paths: Iterable[str]) -> list[str]:
@@ -160,7 +126,7 @@ def audit(module: nn.Module, declaration: Any = None, split: bool = False) -> li
 def _clip_findings(cls: type) -> list[Finding]:
     """A clip or a measure by norm in the module's gradient hooks: each process would clip by, or log, its own part's
     norm."""
-    calls = sorted(_read_calls(cls, GRADIENT_HOOKS)[0].items())
+    calls = sorted(_read_calls(cls, GRADIENT_HOOKS).items())
     fix = ("clip with Trainer(gradient_clip_val=...), which the strategy applies with the whole model's norm (in "
            "configure_gradient_clipping: self.clip_gradients(optimizer, gradient_clip_val=..., "
            "gradient_clip_algorithm='norm'))")

@@ -43,7 +43,6 @@ from lightning_mp_lstm.base.faults import PeerDirectory, result_from
 from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.models.metrics import LanguageModelMetrics
-from lightning_mp_lstm.models.module_audit import training_log_flags
 from lightning_mp_lstm.pipeline.engine import PipelineEngine
 from lightning_mp_lstm.planning import report
 from lightning_mp_lstm.planning.layout import ParallelLayout
@@ -364,7 +363,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
     def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> PipelineEngine:
         blocks = pipeline_model(module)
         self._metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"),
-                                             getattr(blocks, "reduction", "token_mean"), training_log_flags(module))
+                                             getattr(blocks, "reduction", "token_mean"))
         if self._plan is None:
             self._plan = plan_run(blocks, self.layout, self._options, trainer.datamodule, self.precision_plugin,
                                   self.root_device)
