@@ -36,8 +36,9 @@ def train_quantities(loss: torch.Tensor, terms: dict[str, torch.Tensor], weights
                      reduction: str) -> dict[str, torch.Tensor]:
     """What a training batch can log, by metric name: ``loss``, the objective optimized (the declared loss and its
     penalty); each named term; and where they differ from ``loss``, ``declared_loss`` (the declared loss without the
-    penalty, as ``reduction`` averages it) and ``loss_per_token`` (the declared loss per target token, what perplexity
-    is the exponential of).
+    penalty, as ``reduction`` averages it) and ``loss_per_token`` (the declared loss per target token); ``ppl``, its
+    exponential. ``declared_loss`` and ``ppl`` are logged only under a module's own names for them
+    (:meth:`LanguageModelMetrics.log_as`).
 
     Args:
         weights: the global batch's ``[tokens, sequences]`` (``None``: no per-token value).
@@ -47,10 +48,13 @@ def train_quantities(loss: torch.Tensor, terms: dict[str, torch.Tensor], weights
     values = {"loss": loss, **terms}
     if declared is not None:
         values["declared_loss"] = declared
+    base = loss if declared is None else declared
+    per_token = base
     if weights is not None and weights.numel() > 1 and (declared is not None or reduction != "token_mean"):
-        base = loss if declared is None else declared
         per = {"token_mean": weights[0], "sequence_mean": weights[1]}.get(reduction, torch.ones_like(weights[0]))
-        values["loss_per_token"] = base * per.to(base.dtype) / weights[0].clamp(min=1).to(base.dtype)
+        per_token = values["loss_per_token"] = base * per.to(base.dtype) / weights[0].clamp(min=1).to(base.dtype)
+    if reduction == "token_mean" or "loss_per_token" in values:
+        values["ppl"] = per_token.clamp(max=700.0).exp()
     return values
 
 
@@ -152,8 +156,8 @@ class LanguageModelMetrics:
         if split == "train":
             for metric, value in train_quantities(loss, terms, weights, self.reduction).items():
                 name = self.train_names.get(metric) or self.name.format(split=split, metric=metric)
-                if metric == "declared_loss" and metric not in self.train_names:
-                    continue  # logged only under a module's own name for it (else its per-token value is)
+                if metric in ("declared_loss", "ppl") and metric not in self.train_names:
+                    continue  # logged only under a module's own name for it
                 flags = self.train_flags.get(name, {})
                 # An epoch's mean weighs each step by the global batch's size, as one process's Lightning infers it
                 # (a share's global count is read on the host only then).

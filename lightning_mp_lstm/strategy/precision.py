@@ -10,7 +10,7 @@ module conversion) is the wrapped plugin's: the one Lightning chose from ``Train
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-__all__ = ["NUMERICS", "PipelinePrecision", "REFUSED_PRECISIONS", "set_numerics"]
+__all__ = ["NUMERICS", "PipelinePrecision", "REFUSED_PRECISIONS", "exact_numerics", "set_numerics"]
 
 #: ``"default"``: torch's own float32 settings (TF32 in cuDNN RNNs and convolutions on Ampere and later GPUs);
 #: ``"exact"``: IEEE float32 everywhere and deterministic cuDNN kernels, so that a GPU run can be compared with one
@@ -44,6 +44,22 @@ def set_numerics(mode: str) -> None:
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+@contextmanager
+def exact_numerics() -> Iterator[None]:
+    """``"exact"`` numerics for a while, then this process's own again (TF32 rounds float32 products to about 1e-3
+    relative, where a comparison of one process with a pipeline looks for 1e-5)."""
+    settings = [(torch.backends.cudnn.rnn, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"),
+                (torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn, "deterministic"),
+                (torch.backends.cudnn, "benchmark")]
+    saved = [getattr(owner, name) for owner, name in settings]
+    set_numerics("exact")
+    try:
+        yield
+    finally:
+        for (owner, name), value in zip(settings, saved, strict=True):
+            setattr(owner, name, value)
 
 
 def _clips_by_norm(model: Any) -> bool:

@@ -5,6 +5,7 @@ pieces its declaration names are, in the stages that hold their inputs)."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -115,6 +116,7 @@ class PipelineSteps:
                  f"(data x pipeline x tensor = {layout.data_parallel_size} x {layout.pipeline_parallel_size} x "
                  f"{layout.tensor_parallel_size}, {layout.schedule}, {layout.n_microbatches} microbatches), {STEPS} "
                  "steps on the first training batch, random draws equal")
+        started = time.perf_counter()
         comparison = self._verifier.run(self.engine, module, batch, module.trainer, title, self.root_device,
                                         self.precision_plugin.convert_module,
                                         self.precision_plugin.inner.train_step_context)
@@ -122,7 +124,7 @@ class PipelineSteps:
         if not comparison.ok:
             raise VerificationError(comparison.table())
         self._metrics.log_as(comparison.names, comparison.flags)
-        rank_zero_info(comparison.table())
+        rank_zero_info(f"{comparison.table()} ({time.perf_counter() - started:.2f} s)")
 
     @override
     def on_validation_start(self) -> None:

@@ -32,12 +32,15 @@ from torch import nn
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.models.batch_layout import rows_first
 from lightning_mp_lstm.models.metrics import train_quantities
+from lightning_mp_lstm.strategy.precision import exact_numerics
 from lightning_mp_lstm.strategy.random_tape import RandomTape
 from lightning_mp_lstm.strategy.whole_module import WholeModule
 
 __all__ = ["Comparison", "VerificationError", "Verifier"]
 
 STEPS = 2  # the second step starts from the state the first carried
+#: Quantities the pipeline logs only under a module's own name for them (never under its own).
+UNLOGGED = ("declared_loss", "ppl")
 #: Relative error allowed between the module's step and the pipeline, by the dtype of what is compared.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 
@@ -54,8 +57,8 @@ class Comparison:
     rows: list[tuple[str, str, str, str, bool]] = field(default_factory=list)
     #: What is true of the module's step and the pipeline without being a difference.
     notes: list[str] = field(default_factory=list)
-    #: The pipeline's quantity (``loss``, ``loss_per_token``, ``declared_loss``, a term) -> the name the module logs
-    #: it under, where that is not the pipeline's own name for it.
+    #: The pipeline's quantity (``loss``, ``loss_per_token``, ``declared_loss``, ``ppl``, a term) -> the name the
+    #: module logs it under.
     names: dict[str, str] = field(default_factory=dict)
     #: The ``on_step`` / ``on_epoch`` each metric was logged with by the module's step.
     flags: dict[str, dict[str, bool]] = field(default_factory=dict)
@@ -84,8 +87,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def _tolerance(*tensors: torch.Tensor) -> float:
-    return max(TOLERANCE.get(t.dtype, 1e-5) for t in tensors)
+def _tolerance(*tensors: torch.Tensor, floor: float = 0.0) -> float:
+    return max(floor, *(TOLERANCE.get(t.dtype, 1e-5) for t in tensors))
 
 
 def _block_of(name: str, blocks: Sequence[str]) -> str:
@@ -114,6 +117,7 @@ class Verifier:
         self.whole, self.blocks, self.time_first, self.log_name = whole, list(blocks), time_first, log_name
         self.lstm_path, self.reduction = lstm_path, reduction
         self.done = False
+        self.floor = 0.0  # the least relative error allowed (autocast's dtype's, under mixed precision)
 
     # ----- the module's own step, on global rank 0 -------------------------------------------------------------------
     def _region_hooks(self, module: nn.Module) -> list[Any]:
@@ -202,9 +206,16 @@ class Verifier:
             context: the precision plugin's training-step context (autocast), around both sides' steps.
         """
         self.done = True
+        with exact_numerics():
+            return self._run(engine, module, batch, trainer, title, device, convert, context)
+
+    def _run(self, engine: Any, module: nn.Module, batch: Any, trainer: Any, title: str, device: torch.device,
+             convert: Callable[[nn.Module], Any], context: Callable[[], Any]) -> Comparison:
         whole = self._whole_batch(engine, batch)
         try:
             with context():
+                if torch.is_autocast_enabled(device.type):  # both sides' products rounded to it: its tolerance
+                    self.floor = TOLERANCE.get(torch.get_autocast_dtype(device.type), self.floor)
                 reference = faults.result_from(0, lambda: self._reference_steps(module, whole, trainer, device,
                                                                                 convert))
         finally:
@@ -306,7 +317,8 @@ class Verifier:
         for step in range(STEPS):
             expected, got = reference["losses"][step], losses[step]
             error = _relative(got, expected)
-            comparison.add(f"step {step} loss", float(expected), float(got), error, error <= _tolerance(expected))
+            comparison.add(f"step {step} loss", float(expected), float(got), error,
+                           error <= _tolerance(expected, floor=self.floor))
             self._compare_grads(comparison, step, reference, [rank["grads"][step] for rank in every])
         self._compare_metrics(comparison, reference["logged"], quantities)
         for note in sorted({n for rank in every for step_notes in rank["notes"] for n in step_notes}):
@@ -329,29 +341,29 @@ class Verifier:
                         return None
                     value, got = logged[step][name], quantities[step][quantity]
                     error = _relative(got, torch.tensor(value, dtype=torch.float64))
-                    if error > _tolerance(got.float()):
+                    if error > _tolerance(got.float(), floor=self.floor):
                         return None
                     found.append((value, float(got), error))
                 return found
 
             match = own.get(name) if own.get(name) and agrees(own[name]) else next(
                 (q for q in quantities[0] if agrees(q)), None)
-            if match is None and name not in own:
+            if match is None and own.get(name) in (None, *UNLOGGED):
+                logs = ", ".join(sorted(n for n, q in own.items() if q not in UNLOGGED))
                 comparison.notes.append(f"metric {name!r}, which training_step logs, is not logged under mp_lstm (it "
-                                        "logs " + ", ".join(sorted(own)) + "): log it from a hook or callback")
+                                        f"logs {logs}): log it from a hook or callback")
                 continue
             if match is None:
                 for step in range(STEPS):
                     value, got = logged[step].get(name), quantities[step].get(own[name])
                     error = None if value is None or got is None else _relative(got, torch.tensor(value))
                     comparison.add(f"step {step} metric {name}", value, "-" if got is None else float(got), error,
-                                   error is not None and error <= _tolerance(got.float()))
+                                   error is not None and error <= _tolerance(got.float(), floor=self.floor))
                 continue
             for step, (value, got, error) in enumerate(agrees(match) or []):
                 what = f"step {step} metric {name}" + ("" if own.get(name) == match else f" (the pipeline's {match})")
                 comparison.add(what, value, got, error, True)
-            if own.get(name) != match:
-                comparison.names[match] = name
+            comparison.names[match] = name
 
     def _compare_grads(self, comparison: Comparison, step: int, reference: dict[str, Any],
                        per_rank: list[dict[str, torch.Tensor]]) -> None:
@@ -365,7 +377,7 @@ class Verifier:
             copies = [next(grads[n] for n in names if n in grads) for grads in per_rank
                       if any(n in grads for n in names)]
             block = _block_of(name, self.blocks)
-            tolerance = _tolerance(*copies, wanted) if wanted is not None and copies else 1e-5
+            tolerance = _tolerance(*copies, wanted, floor=self.floor) if wanted is not None and copies else 1e-5
             if wanted is not None and not copies:
                 error = float("inf")
             elif copies:
