@@ -18,7 +18,7 @@ from lightning_mp_lstm import LSTMBlocks, MPLSTMStrategy
 from lightning_mp_lstm.strategy.verify import VerificationError
 from tests.helpers import TimeFirstStream, quiet_trainer, run_command, run_ranks, tiny_model
 
-VOCAB = 29
+VOCAB = 30  # even: tensor parallelism splits the vocabulary in two
 QUIET = dict(report_after_steps=None, timeout=60)
 
 
@@ -157,22 +157,70 @@ def _skipped_when_built_on_meta(rank: int, world_size: int) -> tuple[bool, int]:
     return strategy.verification is None, sum(p.numel() for p in model.parameters())
 
 
-def _checked_on_two_processes(rank: int, world_size: int) -> tuple[str | None, list[str]]:
-    torch.manual_seed(0)
-    model = Wrapped(0.5)
-    strategy = MPLSTMStrategy(pipeline_parallel_size=2, n_microbatches=2, **QUIET)
-    _fit(model, strategy, devices=world_size)
-    table = strategy.verification.table() if strategy.verification is not None else None
-    return table, sorted({name.split(".")[0] for name, _ in model.named_parameters()})
+LAYOUTS = {"pp2": dict(pipeline_parallel_size=2), "dp2": dict(pipeline_parallel_size=1, data_parallel_size=2),
+           "tp2": dict(pipeline_parallel_size=1, tensor_parallel_size=2)}
 
 
-@pytest.mark.timeout(200)
-def test_on_two_processes_rank_zero_lets_go_of_the_other_blocks_and_a_meta_module_skips_it():
-    first, second = run_ranks(_checked_on_two_processes, 2, timeout=180)
-    assert first[0] is not None and "the pipeline reproduces the module's training step" in first[0]
-    assert first[1] == ["encoder", "rnns"] and second[1] == ["decoder", "rnns"]  # each rank its own blocks again
+def _checked_on_two_processes(rank: int, world_size: int) -> dict[str, tuple[str | None, list[str]]]:
+    out = {}
+    for name, layout in LAYOUTS.items():
+        torch.manual_seed(0)
+        model = Wrapped(0.5)
+        strategy = MPLSTMStrategy(n_microbatches=2, **layout, **QUIET)
+        _fit(model, strategy, devices=world_size)
+        table = strategy.verification.table() if strategy.verification is not None else None
+        out[name] = (table, sorted({n.split(".")[0] for n, _ in model.named_parameters()}))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_on_two_processes_every_layout_passes_and_each_rank_keeps_its_blocks_and_a_meta_module_skips_it():
+    first, second = run_ranks(_checked_on_two_processes, 2, timeout=220)
+    for name in LAYOUTS:
+        assert first[name][0] is not None and "the pipeline reproduces the module's training step" in first[name][0]
+    assert first["pp2"][1] == ["encoder", "rnns"] and second["pp2"][1] == ["decoder", "rnns"]  # its own blocks again
+    assert first["dp2"][1] == second["dp2"][1] == ["decoder", "encoder", "rnns"]
     for skipped, _ in run_ranks(_skipped_when_built_on_meta, 2, timeout=180):
         assert skipped
+
+
+class PerCharacter(pl.LightningModule):
+    """char-rnn as its tutorial trains it: the loss summed over the sequence's characters (a mean over sequences),
+    logged per character."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = nn.Embedding(VOCAB, 6), nn.Linear(8, VOCAB)
+        self.rnn = nn.LSTM(6, 8, batch_first=True)
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self.decoder(self.rnn(self.encoder(inputs))[0])
+        loss = sum(F.cross_entropy(logits[:, t], targets[:, t]) for t in range(inputs.size(1)))
+        self.log("train_loss", loss / inputs.size(1))
+        self.log("train_perplexity", (loss / inputs.size(1)).exp())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def configure_pipeline(self):
+        return LSTMBlocks(embedding="encoder", lstm="rnn", decoder="decoder", reduction="sequence_mean")
+
+
+def test_a_loss_logged_per_character_is_logged_per_character():
+    torch.manual_seed(0)
+    alone = _fit(PerCharacter(), "auto", steps=1).callback_metrics
+    torch.manual_seed(0)
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, **QUIET)
+    split = _fit(PerCharacter(), strategy, steps=1).callback_metrics
+    strategy.shutdown()
+    table = strategy.verification.table()
+    assert "step 0 metric train_loss (the pipeline's loss_per_token)" in table, table
+    assert "step 0 metric train_perplexity (the pipeline's ppl)" in table, table
+    for name in ("train_loss", "train_perplexity"):
+        assert float(split[name]) == pytest.approx(float(alone[name]), rel=1e-5)
+    assert float(split["train_objective"]) == pytest.approx(6 * float(alone["train_loss"]), rel=1e-5)  # 6 steps
 
 
 class KernelDropout(pl.LightningModule):

@@ -167,7 +167,7 @@ class EmbeddingBlock(nn.Module):
         if self.embed is not None:
             return _from_user_layout(self.embed(to_user_layout(tokens, self.time_first)), self.time_first)
         x = self.embedding(tokens)
-        return self.dropout(x) if self.dropout is not None else x
+        return _dropped(self.dropout, x, self.time_first)
 
 
 @dataclass
@@ -259,7 +259,7 @@ class LSTMLayerBlock(nn.Module):
         if self.after is not None:
             out = _from_user_layout(self.after(self.layer, to_user_layout(raw, self.time_first)), self.time_first)
         elif self.dropout is not None:
-            out = self.dropout(raw)
+            out = _dropped(self.dropout, raw, self.time_first)
         if self.objective is not None and self.training:
             self.objective.add_penalty(raw, out, chunk.index if chunk is not None else 0,
                                        chunk.count if chunk is not None else 1)
@@ -283,6 +283,14 @@ class DecoderBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.dropout(x) if self.dropout is not None else x
         return x if self.decodes_in_loss else self.decoder(x)
+
+
+def _dropped(dropout: nn.Module | None, x: torch.Tensor, time_first: bool) -> torch.Tensor:
+    """``dropout`` of the rows-first ``x``, drawn in the module's layout: the mask is the one-process step's shape
+    (what the numerical check replays), and the result stays rows first."""
+    if dropout is None:
+        return x
+    return _from_user_layout(dropout(to_user_layout(x, time_first)), time_first)
 
 
 def dropout_module(value: nn.Module | float | None) -> nn.Module | None:

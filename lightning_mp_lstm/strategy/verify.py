@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.models.batch_layout import rows_first
@@ -135,8 +136,10 @@ class Verifier:
         return handles
 
     def _reference_steps(self, module: nn.Module, batch: Any, trainer: Any, device: torch.device,
-                         convert: Callable[[nn.Module], Any]) -> dict[str, Any]:
-        """The module's own ``training_step``, :data:`STEPS` times, on ``module`` made whole (restored after)."""
+                         convert: Callable[[nn.Module], Any], values: list[dict[str, torch.Tensor]]
+                         ) -> dict[str, Any]:
+        """The module's own ``training_step``, :data:`STEPS` times, on ``module`` made whole (restored after) with
+        every process's current parameter ``values``."""
         assert self.whole is not None
         rows, length = self._shape(batch)
         logged: list[dict[str, float]] = []
@@ -148,6 +151,7 @@ class Verifier:
 
         losses, grads, tapes, extra = [], [], [], set()
         with self.whole.attached(module, device, convert) as whole, _forked(device):
+            self.whole.take_values(whole, values)
             whole.train()
             whole._trainer = trainer  # noqa: SLF001  (read by steps that look at the trainer; it logs nothing here)
             whole.log = log  # type: ignore[method-assign]
@@ -212,12 +216,13 @@ class Verifier:
     def _run(self, engine: Any, module: nn.Module, batch: Any, trainer: Any, title: str, device: torch.device,
              convert: Callable[[nn.Module], Any], context: Callable[[], Any]) -> Comparison:
         whole = self._whole_batch(engine, batch)
+        values = _gather_on_rank_zero(module)
         try:
             with context():
                 if torch.is_autocast_enabled(device.type):  # both sides' products rounded to it: its tolerance
                     self.floor = TOLERANCE.get(torch.get_autocast_dtype(device.type), self.floor)
                 reference = faults.result_from(0, lambda: self._reference_steps(module, whole, trainer, device,
-                                                                                convert))
+                                                                                convert, values))
         finally:
             self.whole = None  # the blocks other processes train are not needed here any more
         rows, length = self._shape(whole)
@@ -247,7 +252,7 @@ class Verifier:
                 quantities.append({n: v.detach().cpu() for n, v in train_quantities(
                     result.loss, result.terms, result.weights, self.reduction).items()})
                 named = module.named_parameters(remove_duplicate=False)  # after a forward: aliases it made too
-                grads.append({n: p.grad.detach().cpu() for n, p in named if p.grad is not None})
+                grads.append({n: _whole(p.grad) for n, p in named if p.grad is not None})
                 notes.append(tape.mismatches + [f"block {b}: the module's own step draws {k} random tensor(s) the "
                                                 "pipeline never draws (a random part it does not reproduce)"
                                                 for b, k in sorted(tape.unused().items())])
@@ -391,6 +396,21 @@ class Verifier:
             what = f"step {step} gradients of {block}" + (f" ({', '.join(bad)})" if bad else "")
             comparison.add(what, None, "no gradient" if error == float("inf") else None,
                            None if error == float("inf") else error, not bad)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy, whole (a tensor-parallel shard gathered over its group: every shard's rank calls it)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+
+
+def _gather_on_rank_zero(module: nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Every process's parameters by name, on global rank 0 (empty elsewhere); a tensor-parallel shard whole."""
+    values = {name: _whole(p) for name, p in module.named_parameters()}
+    if not dist.is_initialized():
+        return [values]
+    every: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(values, every, dst=0, group=faults.object_group())
+    return every or []
 
 
 @contextmanager

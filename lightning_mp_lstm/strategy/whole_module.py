@@ -120,6 +120,16 @@ class WholeModule:
         finally:
             pruned.restore()
 
+    def take_values(self, module: nn.Module, values: list[dict[str, torch.Tensor]]) -> None:
+        """Give the whole module (attached) every process's current parameter values, by name (a resumed run's
+        blocks on other processes were loaded from the checkpoint after these were kept)."""
+        parameters = dict(module.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for shard in values:
+                for name, value in shard.items():
+                    if name in parameters:
+                        parameters[name].copy_(value)
+
     def kernel_dropout(self) -> float:
         """The dropout a multi-layer ``nn.LSTM`` of the declared stack draws inside its kernel (0: none)."""
         stack = self.blocks[self.lstm]
