@@ -269,3 +269,40 @@ def test_the_verify_command_passes_on_fastais_own_awd_lstm():
     assert done.returncode == 0, done.stdout[-3000:]
     assert "the pipeline reproduces the module's training step" in done.stdout
     assert "step 1 gradients of encoder.rnns.2" in done.stdout
+
+
+def _demo(declaration: str | None) -> pl.LightningModule:
+    """Lightning's own demo LSTM (``lightning.pytorch.demos.lstm``: a 2-layer ``nn.LSTM`` with dropout 0.2 in its
+    kernel, ``F.log_softmax`` + ``nll_loss``, ``self.hidden`` carried across batches), small, with a declaration
+    given as source."""
+    from lightning.pytorch.demos.lstm import LightningLSTM, SimpleLSTM
+
+    class Demo(LightningLSTM):
+        def prepare_data(self) -> None:  # the demo downloads WikiText-2 here
+            pass
+
+        def configure_pipeline(self):
+            return eval(declaration)  # noqa: S307  (the suggestion's own text)
+
+    torch.manual_seed(0)
+    model = Demo(vocab_size=VOCAB)
+    model.model = SimpleLSTM(VOCAB, ninp=8, nhid=8, nlayers=2)
+    return model
+
+
+def test_lightnings_demo_trains_declared_and_its_suggested_declaration_is_stopped():
+    from lightning_mp_lstm.models.declaration import missing_declaration_message
+
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, **QUIET)
+    declared = ('LSTMBlocks(embedding="model.encoder", lstm="model.rnn", decoder="model.decoder", '
+                'dropout="model.drop", loss="nll", carry_state=True)')
+    _fit(_demo(declared), strategy)
+    strategy.shutdown()
+    assert strategy.verification.ok and "the multi-layer nn.LSTM's own dropout (0.2)" in strategy.verification.table()
+    suggestion = missing_declaration_message(_demo(None))
+    suggested = next(line.strip()[len("return "):] for line in suggestion.splitlines() if "return LSTMBlocks(" in line)
+    assert "carry_state" not in suggested  # the module's structure cannot show it
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, **QUIET)
+    with pytest.raises(VerificationError, match=r"step 1 loss .* DIFFERS"):  # it carries self.hidden: step 1 differs
+        _fit(_demo(suggested), strategy)
+    strategy.shutdown()
