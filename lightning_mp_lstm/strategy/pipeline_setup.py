@@ -285,11 +285,12 @@ def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: 
 def make_verifier(module: torch.nn.Module, blocks: PipelineModel, verify: bool | str, rank_zero: bool,
                   layout: ParallelLayout, memory: Any = None) -> Any:
     """The :class:`~lightning_mp_lstm.strategy.verify.Verifier` of ``module`` 's declaration, made before the pipeline
-    prunes the module (global rank 0 keeps hold of every block: ``rank_zero``), or ``None`` where it is skipped, with
-    one line saying why: ``verify="auto"`` checks a user's module whenever global rank 0 holds all of it (built
-    normally, not on the meta device, and with room for its gradients beside its own share where the memory plan has
-    a budget); the library's own :class:`~lightning_mp_lstm.LSTMLanguageModel`, whose pieces are its training step, is
-    checked by the test suite. Every rank decides alike (from the module's kind and global rank 0's memory plan).
+    prunes the module (global rank 0 keeps hold of every block: ``rank_zero``), or ``None`` where it is skipped
+    (``verify=False`` too), with one line saying why. ``verify="auto"`` checks a user's module whenever global rank 0
+    holds all of it (built normally, not on the meta device, and with room for its gradients beside its own share where
+    the memory plan has a budget); the library's own :class:`~lightning_mp_lstm.LSTMLanguageModel`, whose pieces are
+    its training step, is checked by the test suite. Every rank decides alike (from the module's kind and global rank
+    0's memory plan).
 
     Raises:
         TypeError: ``verify=True`` on a custom pipeline model (it has no ``training_step`` of its own to compare).
@@ -305,7 +306,9 @@ def make_verifier(module: torch.nn.Module, blocks: PipelineModel, verify: bool |
                             "has no training_step of its own to compare with")
         return None
     skip = None
-    if any(p.is_meta for p in module.parameters()):
+    if verify is False:
+        skip = "verify=False"
+    elif any(p.is_meta for p in module.parameters()):
         skip = (f"{name} was built on the meta device (trainer.init_module(empty_init=True)), and no process holds the "
                 "whole model to run its own training_step; build it normally to check the declaration")
     elif verify == "auto" and type(module).__module__.startswith("lightning_mp_lstm."):

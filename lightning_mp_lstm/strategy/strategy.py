@@ -374,7 +374,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
                                f"{self.report}{table}")
         if self._model_names.state_keys is None:  # the whole model, before pruning
             self._model_names = ckpt.ModelNames.of(module)
-        if self._verify is not False and trainer.state.fn == TrainerFn.FITTING and self._verifier is None:
+        if trainer.state.fn == TrainerFn.FITTING and self._verifier is None:
             self._verifier = make_verifier(module, blocks, self._verify, self.global_rank == 0, self.layout,
                                            self._memory)
         return assemble_engine(module, blocks, self._plan, self.device_mesh, self.global_rank, self.root_device,
