@@ -164,3 +164,46 @@ def test_hydra_quote_parses_back_to_the_same_path(path):
     with initialize(version_base="1.3", config_path=None):
         cfg = compose(overrides=[f"+out={hydra_quote(path)}"])
     assert cfg.out == path
+
+
+TWO_FITS = '''
+import sys, warnings
+import lightning.pytorch as pl
+import torch
+sys.path.insert(0, {root!r})
+from lightning_mp_lstm import MPLSTMStrategy
+from tests.helpers import TimeFirstStream, tiny_model
+
+warnings.filterwarnings("ignore")
+for hidden in (8, 12):  # two jobs of one script, each on two processes
+    torch.manual_seed(0)
+    strategy = MPLSTMStrategy(pipeline_parallel_size=2, n_microbatches=2, report_after_steps=None, timeout=30)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0)
+    trainer.fit(tiny_model(vocab=30, hidden_size=hidden), datamodule=TimeFirstStream(30, time_first=False))
+    print(f"rank {{trainer.global_rank}} trained hidden={{hidden}}", flush=True)
+    if {release}:
+        strategy.shutdown()
+'''
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("release", [False, True])
+def test_a_script_with_two_jobs_never_pairs_a_rank_with_another_job(tmp_path, release):
+    """Lightning's rank processes run the whole script: without shutdown() between the jobs they follow it job by
+    job; with it, the second job's processes start the script again, and would train its first job's model beside
+    rank 0's second: each is refused by name before any collective."""
+    script = tmp_path / "two_fits.py"
+    script.write_text(TWO_FITS.format(root=str(ROOT), release=release))
+    result, leftovers = run_command_and_leftovers([sys.executable, str(script)], timeout=140)
+    out = result.stdout
+    assert leftovers == [], f"processes of the run outlived it: {leftovers}"
+    if not release:
+        assert result.returncode == 0, out[-4000:]
+        assert sorted(re.findall(r"rank (\d) trained hidden=(\d+)", out)) == [
+            ("0", "12"), ("0", "8"), ("1", "12"), ("1", "8")], out[-4000:]
+        return
+    assert result.returncode != 0 and "trained hidden=12" not in out, out[-4000:]
+    assert "mp_lstm: rank process 1 stops: its job ended with strategy.shutdown() and the script goes on to call " \
+           "number 2" in out, out[-4000:]

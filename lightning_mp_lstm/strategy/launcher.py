@@ -34,11 +34,18 @@ from typing_extensions import override
 
 from lightning_mp_lstm.strategy.pipeline_setup import end_process_groups
 
-__all__ = ["CHECKED_BY", "JobLauncher", "PortInUseError", "hydra_job_command", "hydra_quote", "port_in_use"]
+__all__ = ["CHECKED_BY", "LAUNCHED_AT", "JobLauncher", "PortInUseError", "count_job_call", "hydra_job_command",
+           "hydra_quote", "job_released", "port_in_use"]
 
 #: Environment variables a launch sets in the launching process (Lightning's ``_call_children_scripts``, and
 #: ``OMP_NUM_THREADS`` from ``_set_num_threads_if_needed`` when it was unset).
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
+#: Set, for rank processes that re-run a plain script (not a Hydra job), to the number of the script's call (its
+#: ``fit``/``validate``/``test``/``predict`` calls under ``mp_lstm``, in order: :func:`count_job_call`) they were
+#: started for: one that reaches an earlier call first would pair its job with another of the launching process.
+LAUNCHED_AT = "MP_LSTM_LAUNCHED_AT"
+#: This process's calls so far, and whether its job was released (a rank process after ``strategy.shutdown()``).
+_CALLS = {"count": 0, "released": False}
 #: Set (to the launching process's pid) in the environment of the rank processes a :class:`JobLauncher` starts: the
 #: launching process checked the job before starting them (``train.py``'s checks before launch need not run again).
 CHECKED_BY = "MP_LSTM_CHECKED_BY"
@@ -205,8 +212,9 @@ class JobLauncher(_SubprocessScriptLauncher):
                 from hydra.utils import get_original_cwd
 
                 command, cwd = hydra_job_command(local_rank), get_original_cwd()
-            else:
+            else:  # the script again, from its start
                 command, cwd = list(_basic_subprocess_cmd()), None
+                env[LAUNCHED_AT] = str(_CALLS["count"] + 1)
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
 
     def _free_port(self) -> int:
@@ -302,6 +310,44 @@ class JobLauncher(_SubprocessScriptLauncher):
                 torch.set_num_threads(self._saved_threads)
             self._saved_threads = None
             rank_zero_only.rank = _get_rank() or 0
+
+
+def count_job_call() -> None:
+    """Count a ``fit``/``validate``/``test``/``predict`` call of this process under ``mp_lstm`` (before any
+    collective), and refuse one a rank process that re-runs a plain script must not make: Lightning's rank processes
+    run the whole script, so they follow the launching process call by call only while its processes live; once it
+    released them (``strategy.shutdown()``) it starts new ones for its next call, which would run the script's first
+    call beside it (another model or batch), while the old ones would go on to its next.
+
+    Raises:
+        RuntimeError: this rank process reached a call before the one it was started for, or a call after its job
+            was released.
+    """
+    _CALLS["count"] += 1
+    started_at = os.environ.get(LAUNCHED_AT)
+    if started_at is None:
+        return
+    why = None
+    if _CALLS["count"] < int(started_at):
+        why = (f"it was started for the script's call number {started_at} (its fit/validate/test/predict calls "
+               f"under mp_lstm, in order) but runs the script from its start and reached call number "
+               f"{_CALLS['count']} first")
+    elif _CALLS["released"]:
+        why = (f"its job ended with strategy.shutdown() and the script goes on to call number {_CALLS['count']}, "
+               "for which the launching process starts new rank processes")
+    if why is not None:
+        raise RuntimeError(
+            f"mp_lstm: rank process {os.environ.get('LOCAL_RANK')} stops: {why}; it would train another model or batch "
+            "than the launching process. In a script, call strategy.shutdown() only after its last multi-process "
+            "call (the rank processes then follow the script call by call), or run each job as its own script or "
+            "Hydra multirun job")
+
+
+def job_released() -> None:
+    """The job of this process ended (``strategy.shutdown()``): a rank process re-running a script makes no more
+    calls (:func:`count_job_call`)."""
+    if os.environ.get(LAUNCHED_AT) is not None:
+        _CALLS["released"] = True
 
 
 def _hydra_job_running() -> bool:

@@ -50,7 +50,7 @@ from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions
 from lightning_mp_lstm.strategy import summary
 from lightning_mp_lstm.strategy.batches import seed_workers_by_replica
 from lightning_mp_lstm.strategy.collectives import StrategyCollectives
-from lightning_mp_lstm.strategy.launcher import JobLauncher
+from lightning_mp_lstm.strategy.launcher import JobLauncher, count_job_call, job_released
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.pipeline_setup import (
     assemble_engine,
@@ -263,6 +263,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
 
     @override
     def setup_environment(self) -> None:
+        count_job_call()  # a rank process re-running a script must be on the launching process's call
         super().setup_environment()
         layout = self._resolve_layout(self.world_size)
         # Everything that can be wrong is checked here, on every rank, before the first collective.
@@ -422,10 +423,14 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         """End the job: wait for the processes this strategy launched and release the process group, so that another
         ``Trainer`` in this process (the next job of a Hydra multirun) starts its own set of processes.
 
-        Call it once no more ``fit``/``validate``/``test``/``predict`` calls will run with this strategy.
+        Call it once no more ``fit``/``validate``/``test``/``predict`` calls will run with this strategy; in a plain
+        script, after its last multi-process call: the rank processes run the script themselves and follow it call by
+        call, so one released before a later call refuses it (and so does one started for it, which would run the
+        script's earlier calls first) rather than train another model beside this process.
         """
         if isinstance(self._launcher, JobLauncher):
             self._launcher.release()
+        job_released()
 
     @classmethod
     @override
