@@ -96,6 +96,7 @@ COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], str]]]] = {
         _col("model", "model"), _col("candidate", "candidate"), _col("measured as", "layout"),
         _col("predicted s/step", "predicted_s", _fixed_digits(3)), _col("predicted rank", "predicted_rank"),
         _col("measured s/step", "measured_s", _fixed_digits(3)), _col("measured rank", "measured_rank"),
+        _col("predicted / measured", "predicted_over_measured", lambda v: "-" if v is None else f"{v:.2f}"),
         _col("tokens/s", "tokens_per_s", _whole)],
     "wikitext103": [
         _col("run", "run"), _col("command", "command", lambda c: f"`{c}`"), _col("exit", "exit"),

@@ -390,6 +390,10 @@ def section_advice(results: list[tuple[dict, dict]], layouts: dict[str, Any]) ->
         for e in entries:
             e["predicted_rank"] = by_predicted.index(e) + 1
             e["measured_rank"] = by_measured.index(e) + 1
+            e["predicted_over_measured"] = e["predicted_s"] / e["measured_s"]
+        worst = max(entries, key=lambda e: abs(e["predicted_over_measured"] - 1))
+        goals.append(_goal(f"{model}: the worst prediction's error ({worst['candidate']})",
+                           abs(worst["predicted_over_measured"] - 1), 0.25, "<="))
         rows.extend(sorted(entries, key=lambda e: e["predicted_rank"]))
         value = by_measured[0]["tokens_per_s"] / by_predicted[0]["tokens_per_s"]
         predicted = by_predicted[0]["layout"]

@@ -61,3 +61,26 @@ def test_calibration_measures_a_speedup_for_every_thread_count():
     assert dict(calibration.thread_speedup)[1] == pytest.approx(1.0) and dict(calibration.thread_speedup)[2] > 0
     # Three threads do at least what the best of one or two did (a busy machine can make two slower than one).
     assert calibration.bandwidth == 1e9 and calibration.speedup(3) == max(1.0, dict(calibration.thread_speedup)[2])
+
+
+def test_processes_that_crowd_each_other_are_predicted_slower_by_the_measured_factor(monkeypatch):
+    """Two processes on two cores share memory bandwidth and caches: each computes slower than one alone on one core,
+    and the calibration's factor for two processes slows every two-process candidate by it, not one process."""
+    per_row = {"embedding": 0.001, "lstm.0": 0.004, "lstm.1": 0.004, "decoder": 0.003}
+    _fake_times(monkeypatch, per_row)
+    model = tiny_model(num_layers=2)
+    alone = Calibration(((1, 1.0), (2, 1.5)), float("inf"))
+    crowded = Calibration(((1, 1.0), (2, 1.5)), float("inf"), crowding=((2, 1.8),))
+    before = {c.name: c.predicted_seconds for c in advise(model, 2, 16, 10, CPU, alone, cores=2)}
+    after = {c.name: c.predicted_seconds for c in advise(model, 2, 16, 10, CPU, crowded, cores=2)}
+    assert after["1 process (2 threads)"] == pytest.approx(before["1 process (2 threads)"])
+    assert after["dp2"] == pytest.approx(1.8 * before["dp2"])
+    assert crowded.slowdown(1) == 1.0 and crowded.slowdown(4) == 1.8 and alone.slowdown(2) == 1.0
+
+
+def test_crowding_is_measured_as_at_least_one():
+    factor = advice.crowding(processes=2, threads=1, width=16, rows=4, length=8)
+    assert factor >= 1.0 and factor < 20  # two workers on a busy 2-core box: slower, never faster
+    calibration = calibrate(tiny_model(num_layers=1, hidden_size=16), rows=4, length=8, device=CPU, threads=(1,),
+                            bandwidth=1e9, processes=(2,))
+    assert [count for count, _ in calibration.crowding] == [2] and calibration.slowdown(2) >= 1.0

@@ -16,6 +16,8 @@ other device :func:`calibrate` and :func:`advise` refuse (:func:`check_device`);
 from __future__ import annotations
 
 import os
+import statistics
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,10 +41,21 @@ class Calibration:
     Attributes:
         thread_speedup: threads -> how much faster the whole model's forward + backward runs than on one thread.
         bandwidth: bytes per second one process moves to another (point-to-point and all-reduce).
+        crowding: processes -> how much slower one process's work runs while that many run at once, each on its
+            share of the cores, than alone on the same share (memory bandwidth and caches are shared; on 2 cores
+            two processes ran an LSTM layer 1.8x slower each than one alone): 1x where not measured.
     """
 
     thread_speedup: tuple[tuple[int, float], ...]
     bandwidth: float
+    crowding: tuple[tuple[int, float], ...] = ()
+
+    def slowdown(self, processes: int) -> float:
+        """How much slower each of ``processes`` processes running at once computes (the nearest measured count
+        at or below; 1x for one process)."""
+        known = dict(self.crowding)
+        below = [count for count in known if count <= processes]
+        return known[max(below)] if below and processes > 1 else 1.0
 
     def speedup(self, threads: int) -> float:
         """The best speed-up measured with at most ``threads`` threads (a process can always use fewer: at least
@@ -81,10 +94,12 @@ def check_device(device: torch.device | str) -> None:
 
 
 def calibrate(model: Any, rows: int, length: int, device: torch.device, threads: Sequence[int] = (),
-              bandwidth: float | None = None) -> Calibration:
+              bandwidth: float | None = None, processes: Sequence[int] = ()) -> Calibration:
     """Measure the thread speed-up of the whole model (blocks chained, forward + backward) for each count in
-    ``threads`` (default: every power of two up to the CPU count) and, unless given, the bytes per second of a
-    local copy between processes (estimated from a memory copy of a 64 MiB buffer, halved for the transport).
+    ``threads`` (default: every power of two up to the CPU count), the slowdown of ``processes`` processes running at
+    once (each on its share of the cores; :func:`crowding`, an LSTM layer of the model's width) and, unless given,
+    the bytes per second of a local copy between processes (estimated from a memory copy of a 64 MiB buffer, halved
+    for the transport).
 
     Raises:
         ValueError: ``device`` is not a CPU (:func:`check_device`).
@@ -107,7 +122,52 @@ def calibrate(model: Any, rows: int, length: int, device: torch.device, threads:
         start = time.perf_counter()
         target.copy_(source)
         bandwidth = source.numel() / max(time.perf_counter() - start, 1e-9) / 2
-    return Calibration(tuple((c, seconds[1] / seconds[c]) for c in counts), float(bandwidth))
+    cores = os.cpu_count() or 1
+    width = max(hidden for _, hidden in blocks.sizes) if getattr(blocks, "sizes", None) else 256
+    crowded = tuple((count, crowding(count, max(1, cores // count), width, rows, length))
+                    for count in sorted(set(processes)) if count > 1)
+    return Calibration(tuple((c, seconds[1] / seconds[c]) for c in counts), float(bandwidth), crowded)
+
+
+def _lstm_seconds(lstm: torch.nn.Module, x: torch.Tensor, repeats: int = 3) -> float:
+    """Median seconds of a forward + backward of ``lstm`` on ``x`` (after one warm-up)."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        lstm(x)[0].sum().backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def crowding(processes: int, threads: int, width: int, rows: int, length: int) -> float:
+    """How much slower each of ``processes`` workers on ``threads`` threads computes a one-layer ``width``-wide LSTM
+    over ``rows x length`` (forward + backward) while all run at once than one alone: the median of their times over
+    the time of one alone.
+
+    The workers are threads of this process: torch runs the LSTM and its backward outside the interpreter's lock,
+    each call with its own team of ``threads`` threads, so they share the cores, memory bandwidth and caches as rank
+    processes do, and the measurement starts no process.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        workers = [(torch.nn.LSTM(width, width, batch_first=True), torch.randn(rows, length, width))
+                   for _ in range(processes)]
+        alone = _lstm_seconds(*workers[0])
+        barrier, times = threading.Barrier(processes), [0.0] * processes
+
+        def work(index: int) -> None:
+            barrier.wait()
+            times[index] = _lstm_seconds(*workers[index])
+
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(processes)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+    finally:
+        torch.set_num_threads(before)
+    return max(1.0, statistics.median(times) / alone)
 
 
 def _block_bytes(model: Any, name: str, rows: int, length: int) -> int:
@@ -188,7 +248,7 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
             continue
         dp = devices // pp
         threads = max(1, cores // devices)
-        speed = calibration.speedup(threads)
+        speed = calibration.speedup(threads) / calibration.slowdown(devices)
         rows = batch_rows // dp
         if rows < 1:
             continue
