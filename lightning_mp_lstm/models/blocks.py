@@ -290,7 +290,9 @@ def _dropped(dropout: nn.Module | None, x: torch.Tensor, time_first: bool) -> to
     (what the numerical check replays), and the result stays rows first."""
     if dropout is None:
         return x
-    return _from_user_layout(dropout(to_user_layout(x, time_first)), time_first)
+    if not time_first:
+        return dropout(x)
+    return _from_user_layout(dropout(to_user_layout(x, time_first)), time_first).contiguous()  # sent to a stage
 
 
 def dropout_module(value: nn.Module | float | None) -> nn.Module | None:

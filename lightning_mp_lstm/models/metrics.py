@@ -33,7 +33,7 @@ def perplexity(loss: float) -> float:
 
 
 def train_quantities(loss: torch.Tensor, terms: dict[str, torch.Tensor], weights: torch.Tensor | None,
-                     reduction: str) -> dict[str, torch.Tensor]:
+                     reduction: str, ppl: bool = True) -> dict[str, torch.Tensor]:
     """What a training batch can log, by metric name: ``loss``, the objective optimized (the declared loss and its
     penalty); each named term; and where they differ from ``loss``, ``declared_loss`` (the declared loss without the
     penalty, as ``reduction`` averages it) and ``loss_per_token`` (the declared loss per target token); ``ppl``, its
@@ -42,6 +42,7 @@ def train_quantities(loss: torch.Tensor, terms: dict[str, torch.Tensor], weights
 
     Args:
         weights: the global batch's ``[tokens, sequences]`` (``None``: no per-token value).
+        ppl: compute ``ppl`` too.
     """
     terms = dict(terms)
     declared = terms.pop(DECLARED_LOSS, None)
@@ -53,7 +54,7 @@ def train_quantities(loss: torch.Tensor, terms: dict[str, torch.Tensor], weights
     if weights is not None and weights.numel() > 1 and (declared is not None or reduction != "token_mean"):
         per = {"token_mean": weights[0], "sequence_mean": weights[1]}.get(reduction, torch.ones_like(weights[0]))
         per_token = values["loss_per_token"] = base * per.to(base.dtype) / weights[0].clamp(min=1).to(base.dtype)
-    if reduction == "token_mean" or "loss_per_token" in values:
+    if ppl and (reduction == "token_mean" or "loss_per_token" in values):
         values["ppl"] = per_token.clamp(max=700.0).exp()
     return values
 
@@ -154,7 +155,8 @@ class LanguageModelMetrics:
         """
         terms = terms or {}
         if split == "train":
-            for metric, value in train_quantities(loss, terms, weights, self.reduction).items():
+            quantities = train_quantities(loss, terms, weights, self.reduction, ppl="ppl" in self.train_names)
+            for metric, value in quantities.items():
                 name = self.train_names.get(metric) or self.name.format(split=split, metric=metric)
                 if metric in ("declared_loss", "ppl") and metric not in self.train_names:
                     continue  # logged only under a module's own name for it

@@ -130,12 +130,6 @@ class WholeModule:
                     if name in parameters:
                         parameters[name].copy_(value)
 
-    def kernel_dropout(self) -> float:
-        """The dropout a multi-layer ``nn.LSTM`` of the declared stack draws inside its kernel (0: none)."""
-        stack = self.blocks[self.lstm]
-        parts = [stack] if isinstance(stack, nn.LSTM) else [m for m in stack.modules() if isinstance(m, nn.LSTM)]
-        return max((float(m.dropout) for m in parts if m.num_layers > 1), default=0.0)
-
 
 def _rebuilt(block: nn.Module) -> nn.Module:
     """A new module of ``block``'s kind and values (from its state dict)."""
