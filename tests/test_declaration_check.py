@@ -306,3 +306,21 @@ def test_lightnings_demo_trains_declared_and_its_suggested_declaration_is_stoppe
     with pytest.raises(VerificationError, match=r"step 1 loss .* DIFFERS"):  # it carries self.hidden: step 1 differs
         _fit(_demo(suggested), strategy)
     strategy.shutdown()
+
+
+class TwoNames(KernelDropout):
+    """Logs its loss under two names (and under a name the pipeline's log_name does not use)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/nll", loss)
+        return loss
+
+
+def test_a_quantity_the_module_logs_under_two_names_is_logged_under_both():
+    torch.manual_seed(0)
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, **QUIET)
+    metrics = _fit(TwoNames(), strategy, steps=1).callback_metrics
+    strategy.shutdown()
+    assert strategy.verification.names == {"loss": ["train/nll", "train_loss"]}
+    assert float(metrics["train/nll"]) == float(metrics["train_loss"]) > 0

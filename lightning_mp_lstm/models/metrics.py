@@ -102,27 +102,26 @@ class LanguageModelMetrics:
                  train_flags: dict[str, dict[str, bool]] | None = None) -> None:
         self.name, self.reduction = name, reduction
         self.train_flags = dict(train_flags or {})
-        self.train_names: dict[str, str] = {}
+        self.train_names: dict[str, list[str]] = {}
         self._means: dict[tuple[str, str], Metric] = {}
         self._last_step: float | None = None
         self._tokens: torch.Tensor | None = None  # since the speed was last logged
         self._seconds = 0.0
         self._speeds: list[torch.Tensor] = []  # each step's since the speed was last logged
 
-    def log_as(self, names: dict[str, str], flags: dict[str, dict[str, bool]]) -> None:
-        """Log training quantities under a module's own names (``quantity -> name``: what its ``training_step``
-        logs under that name, as the numerical check found) with its ``on_step`` / ``on_epoch`` (by name); a quantity
-        whose name a module gives to another (the objective, when the module's ``train_loss`` is the cross-entropy
-        alone) is logged as ``objective``."""
+    def log_as(self, names: dict[str, list[str]], flags: dict[str, dict[str, bool]]) -> None:
+        """Log training quantities under a module's own names (``quantity -> names``: what its ``training_step``
+        logs under those names, as the numerical check found) with its ``on_step`` / ``on_epoch`` (by name); a
+        quantity whose name a module gives to another (the objective, when the module's ``train_loss`` is the
+        cross-entropy alone) is logged as ``objective``."""
         self.train_flags.update(flags)
-        taken = set(names.values())
-        for quantity, name in names.items():
-            self.train_names[quantity] = name
+        taken = {name for given in names.values() for name in given}
+        self.train_names.update({quantity: list(given) for quantity, given in names.items()})
         for quantity in ("loss", "loss_per_token"):
             own = self.name.format(split="train", metric=quantity)
             if own in taken and quantity not in names:
-                self.train_names[quantity] = self.name.format(split="train", metric="objective" if quantity == "loss"
-                                                              else "pipeline_loss_per_token")
+                self.train_names[quantity] = [self.name.format(
+                    split="train", metric="objective" if quantity == "loss" else "pipeline_loss_per_token")]
 
     def start_epoch(self) -> None:
         """A training epoch starts: the first step's interval would include the epoch's set-up."""
@@ -157,16 +156,17 @@ class LanguageModelMetrics:
         if split == "train":
             quantities = train_quantities(loss, terms, weights, self.reduction, ppl="ppl" in self.train_names)
             for metric, value in quantities.items():
-                name = self.train_names.get(metric) or self.name.format(split=split, metric=metric)
                 if metric in ("declared_loss", "ppl") and metric not in self.train_names:
                     continue  # logged only under a module's own name for it
-                flags = self.train_flags.get(name, {})
-                # An epoch's mean weighs each step by the global batch's size, as one process's Lightning infers it
-                # (a share's global count is read on the host only then).
-                share = flags.get("on_epoch") and not rows_are_global and weights is not None and weights.numel() > 1
-                size = int(weights[1]) if share else rows
-                module.log(name, value, prog_bar=name == self.name.format(split=split, metric="loss"),
-                           batch_size=size, **flags)
+                for name in self.train_names.get(metric) or [self.name.format(split=split, metric=metric)]:
+                    flags = self.train_flags.get(name, {})
+                    # An epoch's mean weighs each step by the global batch's size, as one process's Lightning infers
+                    # it (a share's global count is read on the host only then).
+                    share = (flags.get("on_epoch") and not rows_are_global and weights is not None
+                             and weights.numel() > 1)
+                    size = int(weights[1]) if share else rows
+                    module.log(name, value, prog_bar=name == self.name.format(split=split, metric="loss"),
+                               batch_size=size, **flags)
             self._log_speed(module, tokens)
             return
         sequences = weights[1] if weights is not None else torch.full((), rows, device=loss.device)

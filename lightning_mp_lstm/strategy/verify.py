@@ -58,9 +58,9 @@ class Comparison:
     rows: list[tuple[str, str, str, str, bool]] = field(default_factory=list)
     #: What is true of the module's step and the pipeline without being a difference.
     notes: list[str] = field(default_factory=list)
-    #: The pipeline's quantity (``loss``, ``loss_per_token``, ``declared_loss``, ``ppl``, a term) -> the name the
+    #: The pipeline's quantity (``loss``, ``loss_per_token``, ``declared_loss``, ``ppl``, a term) -> the names the
     #: module logs it under.
-    names: dict[str, str] = field(default_factory=dict)
+    names: dict[str, list[str]] = field(default_factory=dict)
     #: The ``on_step`` / ``on_epoch`` each metric was logged with by the module's step.
     flags: dict[str, dict[str, bool]] = field(default_factory=dict)
 
@@ -368,7 +368,7 @@ class Verifier:
             for step, (value, got, error) in enumerate(agrees(match) or []):
                 what = f"step {step} metric {name}" + ("" if own.get(name) == match else f" (the pipeline's {match})")
                 comparison.add(what, value, got, error, True)
-            comparison.names[match] = name
+            comparison.names.setdefault(match, []).append(name)
 
     def _compare_grads(self, comparison: Comparison, step: int, reference: dict[str, Any],
                        per_rank: list[dict[str, torch.Tensor]]) -> None:
