@@ -181,7 +181,10 @@ def test_memory_overhead_and_advice_sections(quick):
         rows = [r for r in advice if r["model"] == model]
         assert sorted(r["predicted_rank"] for r in rows) == sorted(r["measured_rank"] for r in rows) == [1, 2, 3]
         assert {r["layout"] for r in rows} == {"1 process", "dp2", "pp2 balanced, m=auto"}
-    assert len(sections["advice"]["goals"]) == 3
+        for row in rows:  # each prediction's error against the measured step, from the row's own numbers
+            assert row["predicted_over_measured"] == pytest.approx(row["predicted_s"] / row["measured_s"])
+    names = [g["name"] for g in sections["advice"]["goals"]]
+    assert len(names) == 6 and sum("the worst prediction's error" in n for n in names) == 3
 
 
 @pytest.mark.timeout(300)
