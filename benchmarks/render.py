@@ -98,6 +98,13 @@ COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], str]]]] = {
         _col("measured s/step", "measured_s", _fixed_digits(3)), _col("measured rank", "measured_rank"),
         _col("predicted / measured", "predicted_over_measured", lambda v: "-" if v is None else f"{v:.2f}"),
         _col("tokens/s", "tokens_per_s", _whole)],
+    "autopilot": [
+        _col("job", "job"), _col("candidate", "candidate"), _col("processes", "processes"),
+        _col("fits", "fits", lambda v: "yes" if v else "**no**"),
+        _col("peak MiB", "peak_mib", lambda v: "-" if v is None else f"{v:,.0f}"),
+        _col("predicted s/step", "predicted_s", _fixed_digits(4)), _col("predicted rank", "predicted_rank"),
+        _col("measured s/step", "measured_s", lambda v: "-" if v is None else f"{v:.4f}"),
+        _col("**predicted / measured**", "predicted_over_measured", lambda v: "-" if v is None else f"{v:.2f}")],
     "wikitext103": [
         _col("run", "run"), _col("command", "command", lambda c: f"`{c}`"), _col("exit", "exit"),
         _col("seconds", "seconds", _whole),

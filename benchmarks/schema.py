@@ -12,7 +12,7 @@ SECTIONS = ("pipeline_bound", "layouts", "partition_regret", "bucketing", "memor
             "wavefront")
 #: Sections a script of their own measures and adds to the results (``benchmarks/wt103.py --results``): rendered
 #: after :data:`SECTIONS` when present, never measured by ``benchmarks/run.py``.
-OPTIONAL_SECTIONS = ("wikitext103",)
+OPTIONAL_SECTIONS = ("wikitext103", "autopilot")
 
 
 class SchemaError(ValueError):
@@ -42,6 +42,9 @@ ROW_FIELDS: dict[str, dict[str, str]] = {
     "advice": {"model": "str", "candidate": "str", "layout": "str", "predicted_s": "pos", "measured_s": "pos",
                "tokens_per_s": "pos", "predicted_rank": "int", "measured_rank": "int",
                "predicted_over_measured": "pos?"},
+    "autopilot": {"job": "str", "candidate": "str", "processes": "int", "fits": "bool", "peak_mib": "pos?",
+                  "predicted_s": "pos", "predicted_rank": "int", "measured_s": "pos?",
+                  "predicted_over_measured": "pos?"},
     "wikitext103": {"run": "str", "command": "str", "exit": "int", "seconds": "pos", "anon_mib": "list[pos]",
                     "hwm_mib": "list[pos]", "predicted_mib": "list[pos]?", "step_s": "pos?"},
     "wavefront": {"variant": "str", "processes": "int", "schedule": "str", "m": "int", "k": "int", "units": "int",

@@ -111,7 +111,7 @@ CASES = [
     # The batch refused is the one the longest bucket holds: that line alone, in the rows of 2 microbatches.
     Case("buckets: a 100,000-token line with no length cap",
          ["data=text", "data.train={long}", "data.valid={text}", "data.test={text}", "buckets.max_length=null",
-          "strategy.memory_per_process=1", "model.hidden_size=64", "model.embedding_dim=64"],
+          "strategy.memory_per_process=1", "model.hidden_size=64", "model.embedding_dim=64", "layout=pp2"],
          r"cannot hold this model and batch: .* \(mostly activations\), more than the 1.00 GiB a process may use "
          r"\(strategy.memory_per_process=1\)\.\nmemory per process[\s\S]*Or: a training batch of the longest bucket "
          r"\(100,001 tokens, as long as the longest training line \(line 8 of .*long.txt, 100,001 tokens\)\) keeps "

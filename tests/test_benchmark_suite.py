@@ -383,3 +383,34 @@ def test_the_overhead_rounds_alternate_which_run_goes_first(one_process_group, m
     assert len(result["bare"]) == len(result["strategy"]) == 4 * 4
     assert result["bare_outside"] == pytest.approx(0.05)
     assert overhead.summarize(result)["ratio"] == pytest.approx(0.8)
+
+
+def test_the_autopilot_section_holds_the_schema_and_judges_the_pick_against_the_best_measured():
+    """benchmarks/autopilot.py's section, from two jobs' results (its runs take minutes: docs/autopilot.md)."""
+    from benchmarks import autopilot
+    from benchmarks.render import render
+
+    def row(name, predicted, measured=None, fits=True):
+        out = {"candidate": name, "processes": 2, "fits": fits, "peak_mib": 600.0, "predicted_s": predicted,
+               "predicted_rank": 1}
+        return {**out, "measured_s": measured, "predicted_over_measured": predicted / measured} if measured else out
+
+    jobs = [{"job": "main", "overrides": [], "pick": "dp2", "best": "pp2", "pick_over_best": 1.2,
+             "rows": [row("dp2", 0.01, 0.012), row("pp2", 0.011, 0.010)]},
+            {"job": "vocab", "overrides": ["strategy.memory_per_process=1.1"], "pick": "pp2", "best": "pp2",
+             "pick_over_best": 1.0, "rows": [row("pp2", 0.5, 0.5), row("dp2", 0.4, fits=False)]}]
+    section = autopilot.section(jobs, "python benchmarks/autopilot.py", "2026-11-28")
+    goals = {g["name"].split(":")[0] + ("/pick" if "pick" in g["name"] else "/error"): g for g in section["goals"]}
+    assert not goals["main/pick"]["met"] and goals["main/pick"]["value"] == 1.2
+    assert goals["main/error"]["value"] == pytest.approx(1 - 0.01 / 0.012) and goals["main/error"]["met"]
+    assert goals["vocab/pick"]["met"] and goals["vocab/error"]["value"] == 0.0
+    assert [r["measured_s"] for r in section["rows"]] == [0.012, 0.010, 0.5, None]
+    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    results["sections"]["autopilot"] = section
+    validate(results, (*SECTIONS, "autopilot"))
+    page = render(results)
+    assert "The autopilot (layout=auto): predicted against measured" in page and "| vocab | dp2 | 2 | **no** |" in page
+    # The mean the prediction stands for: from step 2 on, each shape's first step left out.
+    steps = [{"step": s, "elements": e, "step_s": t} for s, e, t in [(0, 1, 9.0), (1, 2, 9.0), (2, 1, 1.0),
+                                                                     (3, 2, 3.0), (4, 3, 9.0), (5, 3, 2.0)]]
+    assert autopilot.mean_step(steps, first=2) == 2.0

@@ -78,7 +78,7 @@ EXPECTED: dict[tuple[str, str], dict[str, Any]] = {
     # Its hydra.sweeper settings: tests/test_hparams_search.py (compose() leaves out the hydra node).
     ("hparams_search", "lstm_optuna"): {"optimized_metric": "val/loss", "model.optimizer.lr": 0.005},
     ("layout", "auto"): {"strategy.data_parallel_size": 1, "strategy.pipeline_parallel_size": "auto",
-                         "strategy.stages_per_rank": None, "layout.processes": 2},
+                         "strategy.stages_per_rank": None, "layout.processes": "auto"},
     ("layout", "dp2"): {"strategy.data_parallel_size": 2, "strategy.pipeline_parallel_size": 1},
     ("layout", "dp2_pp2"): {"strategy.data_parallel_size": 2, "strategy.pipeline_parallel_size": 2},
     ("layout", "pp2"): {"strategy.data_parallel_size": 1, "strategy.pipeline_parallel_size": 2},
@@ -257,8 +257,8 @@ def _resolve(*overrides: str) -> tuple[MPLSTMStrategy, pl.LightningModule, pl.Tr
         (["trainer.devices=2", "experiment=mxnet2"], (1, 2, 1), 2),
         (["experiment=mxnet2", "layout.data_parallel_size=2"], (2, 2, 1), 4),
         (["layout=pp4", "partition=balanced"], (1, 4, 1), 4),
-        (["partition=balanced"], (1, 2, 1), 2),
-        (["partition=even"], (1, 2, 1), 2),
+        (["partition=balanced", "layout.processes=2"], (1, 2, 1), 2),  # without the autopilot: `processes`
+        (["partition=even", "layout.processes=2"], (1, 2, 1), 2),
         (["partition=per_layer"], (1, 4, 1), 4),  # tiny: 2 LSTM layers + embedding + decoder
         (["partition=per_layer", "model.num_layers=6"], (1, 8, 1), 8),
         (["partition=manual", "partition.stages=[[embedding,lstm.0],[lstm.1,decoder]]"], (1, 2, 1), 2),

@@ -352,18 +352,23 @@ def main_job(tmp_path_factory) -> tuple[str, Path]:
 
 @pytest.mark.timeout(300)
 def test_the_main_job_runs_quietly_and_prints_what_the_readme_promises(main_job):
-    """``python train.py``: a 2-stage balanced pipeline, the whole model's summary, the closing table; no warning
-    the project causes, and each message once, from rank 0."""
+    """``python train.py``: the autopilot's ranking and the layout it chose, the whole model's summary, the closing
+    table; no warning the project causes, and each message once, from rank 0."""
     output, run = main_job
     (table,) = _tables(output)
     assert float(table["synthetic floor (true model)"]) == pytest.approx(71.80, abs=0.01)
     assert table["checkpoint"] == str(run / "checkpoints" / "last.ckpt") and Path(table["checkpoint"]).is_file()
     assert (run / "timeline.png").stat().st_size > 0
-    assert "pipeline_parallel_size=2" in output
-    report = output[output.index("partition (costs by time)"):]
-    assert [line.split()[0] for line in report.splitlines()[3:5]] == ["0", "1"], report[:1500]
+    (chosen,) = [line for line in output.splitlines() if line.rstrip().endswith("  chosen")]
+    name, processes = re.split(r"\s{2,}", chosen)[:2]
+    assert f"mp_lstm: training on {name}" in output
+    dp = 2 if name.startswith("dp2") else 1
+    pp = int(processes) // dp
+    assert f"ParallelLayout(data_parallel_size={dp}, pipeline_parallel_size={pp}," in output
+    report = output[re.search(r"partition \(costs by \w+\)", output).start():]
+    assert [line.split()[0] for line in report.splitlines()[3:3 + pp]] == [str(s) for s in range(pp)], report[:1500]
     for once in ("corpus synthetic:", "bucket lengths:", "GPU available:", "Initializing distributed:",
-                 "partition (costs by time):", "Total params:"):
+                 "mp_lstm: layout=auto ranked", "partition (costs by", "Total params:"):
         assert output.count(once) == 1, (once, output[-4000:])
     # The summary counts the whole model (both stages), FLOPs of its LSTM layers included.
     assert re.search(r"Total params: 523 K", output) and re.search(r"Total FLOPs: [1-9][\d.]* [MG]", output)

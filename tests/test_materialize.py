@@ -31,9 +31,9 @@ def _meta_worker(rank: int, world_size: int, strategy_kwargs: dict) -> dict:
     devices = []
     timer = profile._time
 
-    def recording(step, make_input, device, modules, repeats, warmup):
+    def recording(step, make_input, device, modules, repeats, warmup, *statistic):
         devices.extend({p.device.type for m in modules for p in m.parameters()})
-        return timer(step, make_input, device, modules, repeats, warmup)
+        return timer(step, make_input, device, modules, repeats, warmup, *statistic)
 
     profile._time = recording  # what reaches the timer during planning
     recorder = _AtFitStart()

@@ -30,9 +30,9 @@ def test_profiling_builds_its_blocks_on_the_device_and_leaves_the_model_alone():
     devices = []
     timer = profile._time
 
-    def recording(step, make_input, device, modules, repeats, warmup):
+    def recording(step, make_input, device, modules, repeats, warmup, *statistic):
         devices.extend({p.device.type for m in modules for p in m.parameters()} | {make_input().device.type})
-        return timer(step, make_input, device, modules, repeats, warmup)
+        return timer(step, make_input, device, modules, repeats, warmup, *statistic)
 
     profile._time = recording
     try:

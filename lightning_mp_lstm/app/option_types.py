@@ -132,7 +132,7 @@ _VALUE_CHECKS: dict[str, Any] = {
     "buckets.num_buckets": lambda n, v: _positive_int(n, v, nullable=True),
     "buckets.max_length": _length_cap,  # the data module names it max_bucket_length
     "model.init_range": lambda n, v: _positive_number(n, v, nullable=True),
-    "layout.processes": _positive_int,
+    "layout.processes": _length_cap,  # a positive integer or auto
     "strategy.report_after_steps": lambda n, v: _positive_int(n, v, nullable=True),
     "callbacks.progress_bar.refresh_rate": _non_negative_int,
     "callbacks.timeline.steps": _steps,

@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 from lightning_mp_lstm.app import console
+from lightning_mp_lstm.app.autopilot import apply_choice, autopilot_declined, choose_layout, inherited_choice
 from lightning_mp_lstm.app.option_types import check_option_types, check_option_values
 from lightning_mp_lstm.app.run_name import register_resolver
 from lightning_mp_lstm.app.stopped import continue_logs, exit_when_stopped, resume_command
@@ -126,7 +127,7 @@ def build_model(cfg: DictConfig, strategy: Any, vocab_size: int) -> pl.Lightning
 def trainer_devices(cfg: DictConfig, strategy: Any, model: Any) -> Any:
     """``devices`` for the Trainer: ``trainer.devices`` when set (the strategy checks it when the Trainer is built),
     else what ``strategy.processes_for(model)`` needs, per node (divided by ``trainer.num_nodes``), else
-    ``layout.processes`` (``layout=auto`` with a partition that has no stage count: 2), else 1.
+    ``layout.processes`` (``layout=auto`` that ran one pipeline without ranking layouts: the CPU cores), else 1.
 
     Raises:
         LayoutError: the processes the strategy needs do not spread evenly over the nodes.
@@ -136,7 +137,8 @@ def trainer_devices(cfg: DictConfig, strategy: Any, model: Any) -> Any:
         return devices
     needed = strategy.processes_for(model)
     if needed is None:
-        return int(cfg.get("layout", {}).get("processes") or 1)
+        processes = cfg.get("layout", {}).get("processes") or 1
+        return (os.cpu_count() or 1) if processes == "auto" else int(processes)
     num_nodes = int(cfg.trainer.get("num_nodes") or 1)
     if needed % num_nodes:
         raise LayoutError(f"the layout needs {needed} processes, which cannot be spread evenly over "
@@ -263,6 +265,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         datamodule.prepare_data()
         datamodule.setup("fit")
         model = build_model(cfg, strategy, datamodule.vocab_size)
+        strategy = _autopilot(cfg, strategy, model, datamodule, checked)
         trainer = build_trainer(cfg, strategy, model)
         # Fail here, before any process starts, on what the ranks would otherwise each find after launching: the
         # data module's batch samplers for the strategy's replicas (batch size, token budget, sentences per
@@ -318,6 +321,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         print(format_summary(summary))
     return summary
+
+
+def _autopilot(cfg: DictConfig, strategy: Any, model: pl.LightningModule, datamodule: Any, checked: bool) -> Any:
+    """The strategy of the layout ``layout=auto`` chooses (:mod:`~lightning_mp_lstm.app.autopilot`): chosen here by
+    the launching process, taken from it by the rank processes it starts; ``strategy`` itself where the command
+    fixes the layout."""
+    declined = autopilot_declined(cfg, strategy, model)
+    if declined is not None:
+        if not checked and cfg.get("layout", {}).get("pipeline_parallel_size") == "auto":
+            print(f"mp_lstm: layout=auto runs one pipeline without ranking layouts: {declined}")
+        return strategy
+    settings = inherited_choice() if checked else choose_layout(cfg, strategy, model, datamodule)
+    if settings is None:
+        return strategy
+    apply_choice(cfg, settings)
+    return build_strategy(cfg)
 
 
 def _set_example_input(model: pl.LightningModule, datamodule: Any) -> None:

@@ -8,6 +8,14 @@ top of its live memory (70-120 MiB per rank on MXNet's 8 x 1024 model under pp4,
 ``benchmarks/memory.py``), and its peak is no longer what the memory plan predicts. :func:`return_freed_memory` fixes
 the threshold instead (``mallopt(M_MMAP_THRESHOLD)``, which also stops its adjustment): every allocation from 1 MiB up
 is mapped on its own and returned when freed. Smaller ones, the bulk of a small model's tensors, are unaffected.
+
+Only while the blocks are built, timed and planned: mapping every tensor of 1 MiB or more afresh costs the training
+steps a page fault per page of each one (a one-process step of MXNet's 8 x 400 model took 0.42 s instead of 0.30 s).
+Once the blocks are built the strategy raises the threshold to :data:`STEADY_MMAP_THRESHOLD` (glibc's own upper
+bound) where the memory plan leaves room (:func:`steady_threshold`): a step's tensors below it then come back from
+the heap freed by the step before. The heap keeps what a step needed at once, so a process holds more than its live
+tensors (pp4 ranks of MXNet's 8 x 1024 model 70-170 MiB more, ``benchmarks/memory.py``); where the plan's peak is
+close to the budget, every tensor of 1 MiB or more is still returned.
 """
 
 from __future__ import annotations
@@ -17,10 +25,21 @@ import ctypes.util
 import os
 import sys
 
-__all__ = ["MMAP_THRESHOLD", "return_freed_memory"]
+__all__ = ["MMAP_THRESHOLD", "STEADY_MMAP_THRESHOLD", "return_freed_memory", "steady_threshold"]
 
-#: Allocations from this many bytes up are mapped on their own (and unmapped when freed).
+#: Allocations from this many bytes up are mapped on their own (and unmapped when freed), while the blocks are built.
 MMAP_THRESHOLD = 1 << 20
+#: The same once the blocks are built and the steps run, where the memory plan leaves room.
+STEADY_MMAP_THRESHOLD = 32 << 20
+#: The share of the budget a process's predicted peak may reach for the steps to keep freed memory in the heap.
+ROOM = 0.75
+
+
+def steady_threshold(peak: int | None, budget: int | None) -> int:
+    """The threshold for the training steps: :data:`STEADY_MMAP_THRESHOLD` unless the predicted ``peak`` is above
+    :data:`ROOM` of the ``budget`` (then :data:`MMAP_THRESHOLD`: nothing freed is kept); unknown ones leave room."""
+    tight = peak is not None and budget is not None and peak > ROOM * budget
+    return MMAP_THRESHOLD if tight else STEADY_MMAP_THRESHOLD
 _M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 
 

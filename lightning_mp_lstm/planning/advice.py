@@ -6,7 +6,8 @@ training step of every way to use ``devices`` processes: one process with all co
 (each partition balanced by the measured times and the best number of microbatches), wavefront pipelines (the
 time axis split into chunks, rows x chunks; :mod:`lightning_mp_lstm.pipeline.wavefront`) and their products, and orders
 them. The step-time model is the plan's (:func:`~lightning_mp_lstm.planning.plan.step_time`, over ``m x k`` units for a
-wavefront), plus the bytes a layout moves between processes.
+wavefront), plus the bytes a layout moves between processes, the gradients a pipeline adds up microbatch by
+microbatch, and what a step of the layout's kind costs beyond its blocks (:attr:`Calibration.step_costs`).
 
 The advice is for CPUs: it calibrates CPU threads and a host memory copy, and names candidates by cores. On any
 other device :func:`calibrate` and :func:`advise` refuse (:func:`check_device`); measure the layouts there instead
@@ -44,11 +45,30 @@ class Calibration:
         crowding: processes -> how much slower one process's work runs while that many run at once, each on its
             share of the cores, than alone on the same share (memory bandwidth and caches are shared; on 2 cores
             two processes ran an LSTM layer 1.8x slower each than one alone): 1x where not measured.
+        step_costs: ``(replicas, stages, microbatches)`` -> seconds a training step of a near-zero model takes in
+            that layout: what a step costs beyond its blocks (the loop, the optimizer, collectives, the messages of
+            every microbatch; measured by ``lightning_mp_lstm.app.step_cost``); none: 0.
     """
 
     thread_speedup: tuple[tuple[int, float], ...]
     bandwidth: float
     crowding: tuple[tuple[int, float], ...] = ()
+    step_costs: tuple[tuple[tuple[int, int, int], float], ...] = ()
+
+    def step_cost(self, replicas: int, stages: int, units: int) -> float:
+        """Seconds a step of ``replicas`` x ``stages`` processes and ``units`` pieces per replica batch costs beyond
+        its blocks: the measured kind's, the pipeline's linear in the pieces between its two measured counts (a
+        replicated pipeline adds what replication adds to one process); 0 where the kind was not measured."""
+        known = dict(self.step_costs)
+        one = known.get((1, 1, 1), 0.0)
+        extra = known.get((replicas, 1, 1), one) - one if replicas > 1 else 0.0
+        if stages == 1:
+            return known.get((replicas, 1, 1), 0.0) if replicas > 1 else one
+        few, many = known.get((1, stages, stages)), known.get((1, stages, 4 * stages))
+        if few is None:
+            return extra
+        slope = (many - few) / (3 * stages) if many is not None else 0.0
+        return max(0.0, few + slope * (units - stages)) + extra
 
     def slowdown(self, processes: int) -> float:
         """How much slower each of ``processes`` processes running at once computes (the nearest measured count
@@ -95,11 +115,11 @@ def check_device(device: torch.device | str) -> None:
 
 def calibrate(model: Any, rows: int, length: int, device: torch.device, threads: Sequence[int] = (),
               bandwidth: float | None = None, processes: Sequence[int] = ()) -> Calibration:
-    """Measure the thread speed-up of the whole model (blocks chained, forward + backward) for each count in
-    ``threads`` (default: every power of two up to the CPU count), the slowdown of ``processes`` processes running at
-    once (each on its share of the cores; :func:`crowding`, an LSTM layer of the model's width) and, unless given,
-    the bytes per second of a local copy between processes (estimated from a memory copy of a 64 MiB buffer, halved
-    for the transport).
+    """Measure the thread speed-up of the whole model (its blocks' forward + backward, the fastest of three
+    interleaved rounds) for each count in ``threads`` (default: every power of two up to the CPU count), the
+    slowdown of ``processes`` processes running at once (each on its share of the cores; :func:`crowding`, an LSTM
+    layer of the model's width) and, unless given, the bytes per second of a local copy between processes
+    (estimated from a memory copy of a 64 MiB buffer, halved for the transport).
 
     Raises:
         ValueError: ``device`` is not a CPU (:func:`check_device`).
@@ -108,12 +128,14 @@ def calibrate(model: Any, rows: int, length: int, device: torch.device, threads:
     blocks = pipeline_model(model)
     counts = sorted(set(threads) or {t for t in (1, 2, 4, 8, 16, 32, 64) if t <= (os.cpu_count() or 1)}) or [1]
     before = torch.get_num_threads()
-    seconds = {}
+    seconds: dict[int, float] = {}
     try:
-        for count in sorted({1, *counts}):
-            torch.set_num_threads(count)
-            seconds[count] = sum(profile.block_seconds(blocks, blocks.block_names, rows, length, device, repeats=3,
-                                                       warmup=1).values())
+        for _ in range(3):  # interleaved rounds, the fastest of each count: a busy moment slows a round, not a count
+            for count in sorted({1, *counts}):
+                torch.set_num_threads(count)
+                total = sum(profile.block_seconds(blocks, blocks.block_names, rows, length, device, repeats=1,
+                                                  warmup=1).values())
+                seconds[count] = min(seconds.get(count, total), total)
     finally:
         torch.set_num_threads(before)
     if bandwidth is None:
@@ -176,14 +198,15 @@ def _block_bytes(model: Any, name: str, rows: int, length: int) -> int:
     return example.numel() * example.element_size()
 
 
-def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch.device, calibration: Calibration,
+def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: int, device: torch.device,
+           calibration: Calibration,
            schedule: str = "1F1B", cores: int | None = None, max_microbatches: int = 32,
            time_chunks: Sequence[int] = (2, 4, 8, 16)) -> list[Candidate]:
     """Every way to run ``model`` on ``devices`` processes, fastest predicted first.
 
     Args:
         model: a LightningModule with a pipeline declaration, or its pipeline view (possibly on the meta device).
-        devices: processes available.
+        devices: processes to use, or several such counts (every candidate of each, one process once).
         batch_rows: sequences per global batch; ``length``: their mean padded length.
         device: where to time blocks (one process's device).
         calibration: from :func:`calibrate`.
@@ -211,7 +234,8 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
             before = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                cache[(rows, steps)] = profile.block_seconds(model, names, rows, steps, device, repeats=3, warmup=1)
+                cache[(rows, steps)] = profile.block_seconds(model, names, rows, steps, device, repeats=3, warmup=1,
+                                                             statistic=min)
             finally:
                 torch.set_num_threads(before)
         return cache[(rows, steps)]
@@ -222,18 +246,26 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
         for m in (m for m in (1, 2, 4) if rows % m == 0 and m <= rows):
             whole, part = times(rows // m), times(rows // m, short)
             partition = partition_blocks(names, whole, pp)
-            costs = [ChunkCost.fit((length, sum(whole[b] for b in stage) / speed),
-                                   (short, sum(part[b] for b in stage) / speed)) for stage in partition]
+            costs = [ChunkCost.fit((length, sum(whole[b] for b in stage) / speed + accumulate_seconds(stage)),
+                                   (short, sum(part[b] for b in stage) / speed + accumulate_seconds(stage)))
+                     for stage in partition]
             for k in chunks:
                 steps = -(-length // k)
                 transfer = max(2 * _block_bytes(model, stage[0], rows // m, steps) / calibration.bandwidth
                                for stage in partition[1:])
                 seconds = step_time([c.seconds(steps) + transfer for c in costs], m * k)
                 seconds += max(all_reduce_seconds(stage, dp) for stage in partition)
+                seconds += calibration.step_cost(dp, pp, m * k)
                 if best is None or seconds < best.predicted_seconds:
                     best = Candidate(f"{prefix} wavefront, m={m} x k={k}", dp, pp, m, tuple(map(tuple, partition)),
                                      threads, seconds, time_chunks=k)
         return best
+
+    def accumulate_seconds(blocks: Sequence[str]) -> float:
+        """Adding a microbatch's gradients of ``blocks`` to those their parameters hold (every microbatch of a
+        pipeline, one by one): two float32 copies read and one written, 1.5x a copy's traffic (a copy of ``b`` bytes
+        takes ``b / (2 x bandwidth)``)."""
+        return 3 * sum(parameters[b] for b in blocks) / calibration.bandwidth
 
     def all_reduce_seconds(blocks: Sequence[str], replicas: int) -> float:
         if replicas == 1:
@@ -242,18 +274,21 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
         return 2 * (replicas - 1) / replicas * nbytes / calibration.bandwidth
 
     candidates = [Candidate(f"1 process ({cores} threads)", 1, 1, 1, (tuple(names),), cores,
-                            sum(times(batch_rows).values()) / calibration.speedup(cores))]
-    for pp in range(1, devices + 1):
-        if devices % pp or pp > len(names):
+                            sum(times(batch_rows).values()) / calibration.speedup(cores)
+                            + calibration.step_cost(1, 1, 1))]
+    counts = sorted({devices} if isinstance(devices, int) else set(devices))
+    for processes, pp in ((d, pp) for d in counts for pp in range(1, d + 1)):
+        if processes % pp or pp > len(names):
             continue
-        dp = devices // pp
-        threads = max(1, cores // devices)
-        speed = calibration.speedup(threads) / calibration.slowdown(devices)
+        dp = processes // pp
+        threads = max(1, cores // processes)
+        speed = calibration.speedup(threads) / calibration.slowdown(processes)
         rows = batch_rows // dp
         if rows < 1:
             continue
         if pp == 1:
-            seconds = sum(times(rows).values()) / speed + all_reduce_seconds(names, dp)
+            seconds = (sum(times(rows).values()) / speed + all_reduce_seconds(names, dp)
+                       + calibration.step_cost(dp, 1, 1))
             if dp > 1:
                 candidates.append(Candidate(f"dp{dp}", dp, 1, 1, (tuple(names),), threads, seconds))
             continue
@@ -266,12 +301,12 @@ def advise(model: Any, devices: int, batch_rows: int, length: int, device: torch
         for m in counts:
             per_block = times(rows // m)
             partition = partition_blocks(names, per_block, pp)
-            per_rank = [sum(per_block[b] for b in stage) / speed for stage in partition]
+            per_rank = [sum(per_block[b] for b in stage) / speed + accumulate_seconds(stage) for stage in partition]
             # Each boundary sends activations forward and gradients back once per microbatch.
             transfer = max(2 * _block_bytes(model, stage[0], rows // m, length) / calibration.bandwidth
                            for stage in partition[1:])
             seconds = step_time([t + transfer for t in per_rank], m)
-            seconds += max(all_reduce_seconds(stage, dp) for stage in partition)
+            seconds += max(all_reduce_seconds(stage, dp) for stage in partition) + calibration.step_cost(dp, pp, m)
             prefix = f"dp{dp} x pp{pp}" if dp > 1 else f"pp{pp}"
             option = Candidate(f"{prefix} balanced, m={m}", dp, pp, m, tuple(map(tuple, partition)), threads,
                                seconds)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -55,8 +55,9 @@ def _first_tensor(value: object) -> torch.Tensor | None:
 
 
 def _time(step: Any, make_input: Any, device: torch.device, modules: Sequence[nn.Module], repeats: int,
-          warmup: int) -> float:
-    """Median seconds of ``step(make_input())`` over ``repeats`` runs after ``warmup`` (gradients reset between)."""
+          warmup: int, statistic: Callable[[list[float]], float] = statistics.median) -> float:
+    """``statistic`` (the median) of the seconds of ``step(make_input())`` over ``repeats`` runs after ``warmup``
+    (gradients reset between)."""
     samples = []
     for i in range(warmup + repeats):
         for module in modules:
@@ -70,11 +71,12 @@ def _time(step: Any, make_input: Any, device: torch.device, modules: Sequence[nn
             samples.append(time.perf_counter() - start)
     for module in modules:
         module.zero_grad(set_to_none=True)
-    return statistics.median(samples)
+    return statistic(samples)
 
 
 def _timed_chain(model: Any, names: Sequence[str], modules: Sequence[nn.Module], rows: int, length: int,
-                 device: torch.device, repeats: int, warmup: int, each: bool) -> list[float]:
+                 device: torch.device, repeats: int, warmup: int, each: bool,
+                 statistic: Callable[[list[float]], float] = statistics.median) -> list[float]:
     """Forward + backward seconds of ``modules`` (blocks ``names``) chained: one time per block (``each``) or
     one for the whole chain. The model's last block is timed with its loss."""
     last = model.block_names[-1]
@@ -108,21 +110,24 @@ def _timed_chain(model: Any, names: Sequence[str], modules: Sequence[nn.Module],
                 else:
                     y.backward(grad)
 
-            times.append(_time(step, make_input, device, [modules[i] for i in group], repeats, warmup))
+            times.append(_time(step, make_input, device, [modules[i] for i in group], repeats, warmup, statistic))
     return times
 
 
 def block_seconds(model: Any, names: Sequence[str], rows: int, length: int, device: torch.device,
-                  repeats: int = 5, warmup: int = 2) -> dict[str, float]:
+                  repeats: int = 5, warmup: int = 2,
+                  statistic: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
     """Forward + backward seconds of each block ``names`` for a microbatch of ``rows x length``, on ``device``.
 
     Each block is a fresh copy the model builds on ``device`` (``build_block``), so nothing of the model itself
     is touched or needs to be on ``device``, and only the timed blocks are materialized. The model's last block
-    is timed with its loss. Median of ``repeats`` runs after ``warmup``.
+    is timed with its loss. ``statistic`` (the median; ``min``: the fastest, what a run on a busy machine can still
+    reach) of ``repeats`` runs after ``warmup``.
     """
     modules = [model.build_block(name, device) for name in names]
     try:
-        return dict(zip(names, _timed_chain(model, names, modules, rows, length, device, repeats, warmup, each=True)))
+        return dict(zip(names, _timed_chain(model, names, modules, rows, length, device, repeats, warmup, each=True,
+                                            statistic=statistic)))
     finally:
         del modules
 

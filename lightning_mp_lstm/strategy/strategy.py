@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mp_lstm import checkpoint as ckpt
-from lightning_mp_lstm.base.allocator import return_freed_memory
+from lightning_mp_lstm.base.allocator import return_freed_memory, steady_threshold
 from lightning_mp_lstm.base.faults import PeerDirectory, result_from
 from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
 from lightning_mp_lstm.models.binding import pipeline_model
@@ -337,7 +337,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
+        if self.root_device.type == "cpu":  # built: steps reuse what the step before freed, where there is room
+            plan = self._memory
+            return_freed_memory(steady_threshold(getattr(plan, "peak", None), getattr(plan, "budget", None)))
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Seed the loader's workers by data-parallel replica, not by global rank (``seed_everything(workers=True)``):
@@ -388,6 +390,11 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
             module, blocks, self.layout, self._options, self._process, datamodule, self.root_device,
             self.num_processes, self._plan))
         self._checkpoints = ckpt.checkpoint_format(chosen)
+
+    def memory_budget(self, device: torch.device, processes: int) -> tuple[int | None, str]:
+        """Bytes one process may use when a node runs ``processes`` of them on ``device``, and where that comes
+        from (``memory_per_process``, or the device's memory shared by the processes)."""
+        return self._process.memory_budget(device, processes)
 
     @property
     def memory(self) -> Any:

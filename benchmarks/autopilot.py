@@ -1,0 +1,182 @@
+"""The autopilot against measurement: for each job, ``layout=auto``'s ranking, then every candidate that fits measured
+by running it by hand, and the pick against the best measured.
+
+For every job (``train.py`` overrides), a fresh process builds what ``train.py`` builds before launch (data,
+strategy, model on the meta device) and ranks the layouts as ``layout=auto`` does
+(:func:`lightning_mp_lstm.app.autopilot.rank_run`; fresh, so that its floor of memory is a ``train.py`` process's).
+Then each candidate that fits runs as its own ``python train.py`` with its layout set by hand
+(:func:`~lightning_mp_lstm.app.autopilot.layout_overrides`), recording ``--first + --steps`` steps with the timeline;
+its measured seconds per step is the mean of the recorded steps from ``--first`` on, each bucket's first step left
+out (it builds that shape's stages). The prediction is for the mean padded length, so the mean (not the median) is
+what it predicts. A job where nothing fits is reported with no measurement.
+
+Goals (issue 44): on every job the pick's measured step at most 1.10 x the best measured; every prediction within
+25 % of its measurement (``predicted / measured`` from 0.75 to 1.25).
+
+    python benchmarks/autopilot.py [--jobs main mxnet_ptb long vocab] [--first 5] [--steps 30] [--json FILE]
+                                   [--results benchmarks/results.json]
+
+``--results`` adds the jobs as the ``autopilot`` section of the benchmarks' results (rendered on docs/results.md by
+``python benchmarks/run.py --render docs/results.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.main_job import measure  # noqa: E402
+
+__all__ = ["JOBS", "main", "mean_step", "rank_job", "section"]
+
+#: The jobs: ``train.py`` overrides. ``vocab``'s budget lets two processes hold its 100,000-word decoder and
+#: refuses one process.
+JOBS: dict[str, list[str]] = {
+    "main": [],
+    "mxnet_ptb": ["model=mxnet_ptb"],
+    "long": ["data.mode=stream", "data.bptt=200", "data.batch_size=8"],
+    "vocab": ["data.synthetic.vocab_size=50000", "model.softmax=full", "model.hidden_size=256",
+              "model.embedding_dim=256", "strategy.memory_per_process=1.2"],
+}
+
+
+def rank_job(overrides: list[str]) -> tuple[list[Any], str]:
+    """``layout=auto``'s ranking of the job, as ``train.py`` would print it (in this process)."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mp_lstm.app import autopilot
+    from lightning_mp_lstm.app.training import _build, build_model, build_strategy
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    strategy = build_strategy(cfg)
+    datamodule = _build(cfg.data, "data")
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    model = build_model(cfg, strategy, datamodule.vocab_size)
+    return autopilot.rank_run(cfg, strategy, model, datamodule)
+
+
+def mean_step(rows: list[dict[str, float]], first: int) -> float:
+    """Mean seconds per step from step ``first`` on, each shape's first step of the run left out."""
+    seen: set[float] = set()
+    kept = []
+    for row in rows:
+        new = row["elements"] not in seen
+        seen.add(row["elements"])
+        if row["step"] >= first and not new:
+            kept.append(row["step_s"])
+    return statistics.mean(kept)
+
+
+def _print_ranking(name: str) -> None:
+    """``--rank JOB``: the job's ranking as one JSON line (the table before it)."""
+    ranked, table = rank_job(JOBS[name])
+    print(table)
+    print(json.dumps([{"candidate": r.name, "processes": r.processes, "predicted_s": r.candidate.predicted_seconds,
+                       "fits": r.fits, "peak_mib": r.memory.peak / 2**20 if r.memory is not None else None,
+                       "settings": r.settings()} for r in ranked]), flush=True)
+
+
+def run_job(name: str, overrides: list[str], first: int, steps: int) -> dict[str, Any]:
+    from lightning_mp_lstm.app.autopilot import layout_overrides
+
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, __file__, "--rank", name], cwd=ROOT, check=True, capture_output=True,
+                          text=True)
+    lines = done.stdout.splitlines()
+    ranked = json.loads(lines[-1])
+    print("\n".join(line for line in lines[:-1] if not line.startswith("[")), flush=True)
+    rows = []
+    for rank, option in enumerate(ranked, 1):
+        row = {"candidate": option["candidate"], "processes": option["processes"],
+               "predicted_s": option["predicted_s"], "predicted_rank": rank, "fits": option["fits"],
+               "peak_mib": option["peak_mib"]}
+        if option["fits"]:
+            command = [*overrides, *layout_overrides(option["settings"])]
+            row["measured_s"] = mean_step(measure(first, steps, command), first)
+            row["predicted_over_measured"] = row["predicted_s"] / row["measured_s"]
+            row["overrides"] = " ".join(command)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    measured = [r for r in rows if "measured_s" in r]
+    if not measured:
+        raise SystemExit(f"{name}: no layout fits (the ranking above); nothing to measure")
+    best = min(r["measured_s"] for r in measured)
+    pick = measured[0]  # the ranking puts the fitting candidates first, fastest predicted first
+    errors = [r["predicted_over_measured"] for r in measured]
+    return {
+        "job": name, "overrides": overrides, "rows": rows, "pick": pick["candidate"],
+        "best": min(measured, key=lambda r: r["measured_s"])["candidate"],
+        "pick_over_best": pick["measured_s"] / best, "seconds": time.perf_counter() - started,
+        "goals": {"pick within 10 % of the best measured": pick["measured_s"] / best <= 1.10,
+                  "every prediction within 25 % of measured": all(0.75 <= e <= 1.25 for e in errors)},
+    }
+
+
+def section(results: list[dict[str, Any]], command: str, date: str) -> dict[str, Any]:
+    """The jobs as the ``autopilot`` section of the results (``benchmarks/schema.py``): a row per candidate, two
+    goals per job."""
+    fields = ("candidate", "processes", "fits", "peak_mib", "predicted_s", "predicted_rank", "measured_s",
+              "predicted_over_measured")
+    rows = [{"job": job["job"], **{k: row.get(k) for k in fields}} for job in results for row in job["rows"]]
+    goals = []
+    for job in results:
+        errors = [r["predicted_over_measured"] for r in job["rows"] if "predicted_over_measured" in r]
+        goals.append(_goal(f"{job['job']}: measured step of the pick ({job['pick']}) / best measured "
+                           f"({job['best']})", job["pick_over_best"], 1.10, "<="))
+        goals.append(_goal(f"{job['job']}: largest |predicted / measured - 1|", max(abs(e - 1) for e in errors),
+                           0.25, "<="))
+    jobs = "; ".join(f"{job['job']}: {' '.join(job['overrides']) or 'python train.py as it is'}" for job in results)
+    return {"title": "The autopilot (layout=auto): predicted against measured",
+            "setup": (f"{command}: every layout of up to the machine's cores ranked as layout=auto ranks it (step "
+                      "times from blocks timed on the machine, its thread speed-up and crowding, and the step "
+                      "costs of each layout kind measured with a near-zero model), the memory plan's peak per "
+                      "process; then every candidate that fits run by hand with train.py, the mean step from "
+                      f"the 6th on (each bucket's first left out). Jobs: {jobs}. Measured {date}. "
+                      "docs/autopilot.md."),
+            "rows": rows, "goals": goals}
+
+
+def _goal(name: str, value: float, target: float, op: str) -> dict[str, Any]:
+    met = value >= target if op == ">=" else value <= target
+    return {"name": name, "value": float(value), "target": float(target), "op": op, "met": bool(met)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
+    parser.add_argument("--first", type=int, default=5, help="recorded steps left out as warm-up")
+    parser.add_argument("--steps", type=int, default=30, help="steps measured after them")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--results", type=Path, default=None, help="add the autopilot section to these results")
+    parser.add_argument("--rank", choices=list(JOBS), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank:
+        _print_ranking(args.rank)
+        return 0
+    results = [run_job(name, JOBS[name], args.first, args.steps) for name in args.jobs]
+    command = " ".join(["python benchmarks/autopilot.py",
+                        *(a for a in (argv if argv is not None else sys.argv[1:]))])
+    out = {"command": command, "date": time.strftime("%Y-%m-%d"), "jobs": results}
+    print(json.dumps(out, indent=1))
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    if args.results is not None:
+        everything = json.loads(args.results.read_text())
+        everything["sections"]["autopilot"] = section(results, command, out["date"])
+        args.results.write_text(json.dumps(everything, indent=1) + "\n")
+    return 0 if all(all(r["goals"].values()) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

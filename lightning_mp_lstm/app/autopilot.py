@@ -1,0 +1,174 @@
+"""``layout=auto``: the fastest layout that fits, chosen before launch and run.
+
+The launching process ranks every layout of the machine's processes (one process, data parallel, pipelines and
+wavefront pipelines, and their products; :mod:`~lightning_mp_lstm.planning.autopilot`), prints the table and sets the
+layout and schedule groups to the fastest that fits. The rank processes it starts take its choice from the
+environment (:data:`CHOICE`) instead of timing again, so every process runs the same layout.
+
+The autopilot leaves the layout to the command, as ``layout=auto`` did before it, where the command already fixes
+part of it: a partition with a stage count, a data- or tensor-parallel size, a schedule other than GPipe or 1F1B,
+a microbatch count, several nodes, or processes started by ``torchrun``/``srun``. It times blocks and threads on the
+CPU only; on a GPU it says so and runs one pipeline over the devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, open_dict
+
+from lightning_mp_lstm.app.step_cost import step_costs
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.planning.advice import calibrate
+from lightning_mp_lstm.planning.autopilot import RankedLayout, choose, rank_layouts, render_ranking
+from lightning_mp_lstm.planning.layout import WAVEFRONT, ParallelLayout, schedule_style
+from lightning_mp_lstm.planning.memory import process_floor
+from lightning_mp_lstm.strategy.launcher import CHECKED_BY
+from lightning_mp_lstm.strategy.memory_check import largest_batch, model_memory
+
+__all__ = ["CHOICE", "apply_choice", "autopilot_declined", "choose_layout", "inherited_choice", "layout_overrides",
+           "rank_run"]
+
+#: The environment variable that hands the launching process's choice (JSON: the layout and schedule settings) to
+#: the rank processes it starts.
+CHOICE = "MP_LSTM_LAYOUT_CHOICE"
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def autopilot_declined(cfg: DictConfig, strategy: Any, model: Any) -> str | None:
+    """Why ``layout=auto`` keeps the command's own layout (``None``: the autopilot chooses)."""
+    layout, schedule = cfg.get("layout") or {}, cfg.get("schedule") or {}
+    if layout.get("pipeline_parallel_size") != "auto":
+        return "the layout is not auto"
+    if int(layout.get("data_parallel_size") or 1) != 1 or int(layout.get("tensor_parallel_size") or 1) != 1:
+        return "layout.data_parallel_size or layout.tensor_parallel_size is set"
+    if strategy.processes_for(model) is not None:
+        return "the partition has a stage count"
+    if schedule_style(str(schedule.get("name", "1F1B")))[1] != "single":
+        return f"schedule {schedule.get('name')} is not GPipe or 1F1B"
+    if schedule.get("n_microbatches") not in (None, "auto"):
+        return "schedule.n_microbatches is set"
+    if int(cfg.trainer.get("num_nodes") or 1) != 1:
+        return "the job spans several nodes"
+    if "WORLD_SIZE" in os.environ and CHECKED_BY not in os.environ:
+        return "its processes were started by torchrun or a scheduler"
+    return None
+
+
+def _planning_device(cfg: DictConfig) -> torch.device:
+    accelerator = str(cfg.trainer.get("accelerator") or "auto")
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu") if accelerator in ("cpu", "auto") else torch.device(accelerator)
+
+
+def _process_counts(cfg: DictConfig, cores: int) -> list[int]:
+    """The process counts to rank: ``trainer.devices`` when set, else every power of two up to
+    ``layout.processes`` (``auto``: the CPU cores)."""
+    devices = cfg.trainer.get("devices")
+    if devices not in (None, "auto"):
+        return [int(devices)]
+    most = cfg.layout.get("processes", "auto")
+    most = cores if most in (None, "auto") else int(most)
+    return [n for n in (2, 4, 8, 16, 32, 64) if n <= most] or [1]
+
+
+def rank_run(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -> tuple[list[RankedLayout], str]:
+    """Every layout of this run's processes ranked (:func:`~lightning_mp_lstm.planning.autopilot.rank_layouts`):
+    those that fit first, fastest predicted first; and the table to print, with a line that says what was ranked.
+    Times blocks and threads on the CPU."""
+    started = time.perf_counter()
+    device = torch.device("cpu")
+    cores = _cpu_count()
+    counts = _process_counts(cfg, cores)
+    length = max(1, round(float(datamodule.mean_padded_length)))
+    rows = datamodule.batch_size or max(1, int(datamodule.max_tokens) // length)
+    blocks = pipeline_model(model)
+    costs = step_costs(counts)
+    calibration = calibrate(model, rows, length, device, threads=(cores,), processes=[c for c in counts if c > 1])
+    calibration = replace(calibration, step_costs=tuple(costs.items()))
+    ranked = rank_layouts(
+        model, counts, rows, length, device, calibration, memory=model_memory(blocks, model),
+        batch_for=lambda layout: largest_batch(datamodule, layout), floor=process_floor(),
+        budget_for=lambda layout: strategy.memory_budget(device, layout.world_size),
+        schedule=str(cfg.schedule.get("name", "1F1B")), cores=cores)
+    if cfg.trainer.get("devices") not in (None, "auto"):
+        ranked = [r for r in ranked if r.processes == counts[0]] or ranked
+    table = (f"mp_lstm: layout=auto ranked {len(ranked)} layouts of up to {max(counts)} processes on {cores} cores "
+             f"(a global batch of {rows} x {length} tokens; {time.perf_counter() - started:.1f} s):\n"
+             f"{render_ranking(ranked, rows * length)}")
+    return ranked, table
+
+
+def choose_layout(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -> dict[str, Any] | None:
+    """Rank the layouts for this run, print the table and return the settings of the fastest that fits
+    (:func:`apply_choice` puts them in ``cfg``); ``None``: the run keeps its layout (a line says why). Where none
+    fits, the settings of the one that needs the least memory: the strategy's check before launch then refuses it
+    with its memory table and what to change."""
+    device = _planning_device(cfg)
+    if device.type != "cpu":
+        print(f"mp_lstm: layout=auto times layouts on CPUs only; on {device.type} it runs one pipeline over the "
+              "devices (choose another with layout=dp2, pp2, ...)")
+        return None
+    ranked, table = rank_run(cfg, strategy, model, datamodule)
+    print(table)
+    best = choose(ranked)
+    if not best.fits:
+        print(f"mp_lstm: no layout fits in memory; {best.name} needs the least, and its check says what to change")
+    else:
+        print(f"mp_lstm: training on {best.name}"
+              + (" (one process is predicted fastest here)" if best.processes == 1 else ""))
+    return best.settings()
+
+
+def _layout_values(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The config groups' values of a choice."""
+    return {
+        "layout": {"data_parallel_size": settings["data_parallel_size"],
+                   "pipeline_parallel_size": settings["pipeline_parallel_size"], "tensor_parallel_size": 1},
+        "schedule": {"name": settings["schedule"], "n_microbatches": settings["n_microbatches"],
+                     "time_chunks": settings.get("time_chunks")},
+    }
+
+
+def apply_choice(cfg: DictConfig, settings: dict[str, Any]) -> None:
+    """Set ``cfg``'s layout and schedule groups to a choice, and hand it to the rank processes this process starts
+    (:data:`CHOICE`). The layout is checked as the strategy will check it."""
+    ParallelLayout.resolve(settings["data_parallel_size"] * settings["pipeline_parallel_size"],
+                           settings["data_parallel_size"], settings["pipeline_parallel_size"], None,
+                           settings["schedule"], settings["n_microbatches"], 1, settings.get("time_chunks"))
+    with open_dict(cfg):
+        for group, values in _layout_values(settings).items():
+            for key, value in values.items():
+                cfg[group][key] = value
+    os.environ[CHOICE] = json.dumps(settings)
+
+
+def inherited_choice() -> dict[str, Any] | None:
+    """The launching process's choice, in a rank process it started (``None`` elsewhere)."""
+    if CHECKED_BY not in os.environ or CHOICE not in os.environ:
+        return None
+    return json.loads(os.environ[CHOICE])
+
+
+def layout_overrides(settings: dict[str, Any]) -> list[str]:
+    """``train.py`` overrides that run a choice by hand (what the autopilot would run)."""
+    values = _layout_values(settings)
+    out = [f"layout.{key}={value}" for key, value in values["layout"].items()]
+    if settings["schedule"] == WAVEFRONT:
+        out.append("schedule=wavefront")
+    out += [f"schedule.name={settings['schedule']}", f"schedule.n_microbatches={settings['n_microbatches']}"]
+    if settings.get("time_chunks"):
+        out.append(f"schedule.time_chunks={settings['time_chunks']}")
+    return out

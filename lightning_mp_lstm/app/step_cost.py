@@ -1,0 +1,164 @@
+"""What a training step costs on this machine beyond its blocks' computation, for each kind of layout: measured once
+by short runs of a near-zero model, and kept in a cache file.
+
+A step under ``mp_lstm`` is more than the blocks' forward and backward: Lightning's loop, the strategy's batch
+handling and metrics, the optimizer step, the collectives between processes and the messages of every microbatch;
+and processes that share the cores slow each other. With a model of a few thousand parameters the blocks cost almost
+nothing, so a run's seconds per step are that cost. :func:`step_costs` runs each kind (one process; ``n``
+replicas; an ``n``-stage pipeline with ``n`` and with ``4n`` microbatches) for a few dozen steps, each in its own
+``python -m lightning_mp_lstm.app.step_cost --trial`` (the strategy launches its rank processes as for any script),
+and keeps what it found per machine (host, cores, torch and this package's version) in :data:`CACHE_FILE`: only the
+first ``layout=auto`` run on a machine pays for it (about 10 s per kind on 2 cores; a busy machine's costs come out
+too high: measure again on a quiet one with the command below). The autopilot adds the cost of each candidate's kind
+to its predicted step (:meth:`~lightning_mp_lstm.planning.advice.Calibration.step_cost`).
+
+    python -m lightning_mp_lstm.app.step_cost --processes 2     # measure again, keep and print the costs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CACHE_FILE", "step_costs", "trial_kinds"]
+
+#: Steps of a trial, and how many of them are warm-up.
+TRIAL_STEPS, TRIAL_WARMUP = 40, 10
+
+
+def trial_kinds(processes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(replicas, stages, microbatches)`` of every trial for these process counts: one process, and for each
+    count ``n`` > 1 ``n`` replicas and an ``n``-stage pipeline with ``n`` and ``4n`` microbatches."""
+    kinds = [(1, 1, 1)]
+    for n in sorted(set(processes)):
+        if n > 1:
+            kinds += [(n, 1, 1), (1, n, n), (1, n, 4 * n)]
+    return kinds
+
+
+#: Where the measured costs are kept, per machine.
+CACHE_FILE = "~/.cache/lightning_mp_lstm/step_costs.json"
+
+
+def _cache_file() -> Path:
+    return Path(os.path.expanduser(CACHE_FILE))
+
+
+def _machine() -> str:
+    import torch
+
+    import lightning_mp_lstm
+
+    return (f"{platform.node()}|{os.cpu_count()}|torch {torch.__version__}|"
+            f"lightning_mp_lstm {lightning_mp_lstm.__version__}")
+
+
+def _run_trial(replicas: int, stages: int, microbatches: int) -> float | None:
+    """Seconds per step of one trial, in a process of its own (``None``: it failed; a line says so)."""
+    command = [sys.executable, "-m", "lightning_mp_lstm.app.step_cost", "--trial", str(replicas), str(stages),
+               str(microbatches)]
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    except subprocess.TimeoutExpired:
+        print(f"mp_lstm: the step-cost trial {replicas} x {stages} (m={microbatches}) took over 300 s; left out")
+        return None
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return float(json.loads(line)["step_s"])
+    print(f"mp_lstm: the step-cost trial {replicas} x {stages} (m={microbatches}) failed (exit {done.returncode}); "
+          f"left out: {done.stderr.strip().splitlines()[-1:] or ''}")
+    return None
+
+
+def step_costs(processes: Sequence[int], again: bool = False) -> dict[tuple[int, int, int], float]:
+    """This machine's step costs for these process counts, ``(replicas, stages, microbatches) -> seconds per
+    step``: from the cache, measured (and kept) where missing, or all measured ``again``."""
+    path, machine = _cache_file(), _machine()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    known = {} if again else {tuple(json.loads(k)): float(v) for k, v in cached.get(machine, {}).items()}
+    missing = [kind for kind in trial_kinds(processes) if kind not in known]
+    if missing:
+        started = time.perf_counter()
+        print(f"mp_lstm: measuring what a step costs beyond its blocks on this machine ({len(missing)} short runs "
+              f"of a near-zero model, once; kept in {path})", flush=True)
+        for kind in missing:
+            seconds = _run_trial(*kind)
+            if seconds is not None:
+                known[kind] = seconds
+        print(f"mp_lstm: step costs measured in {time.perf_counter() - started:.0f} s", flush=True)
+        cached[machine] = {json.dumps(list(k)): v for k, v in known.items()}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(json.dumps(cached, indent=1))
+            os.replace(temporary, path)
+        except OSError as error:
+            print(f"mp_lstm: could not keep the step costs in {path}: {error}")
+    return {kind: known[kind] for kind in trial_kinds(processes) if kind in known}
+
+
+def _trial(replicas: int, stages: int, microbatches: int) -> None:
+    """One trial: a near-zero model on a fixed batch shape, ``TRIAL_STEPS`` steps; global rank 0 prints the median
+    seconds between the starts of consecutive steps after the warm-up, as JSON."""
+    import lightning.pytorch as pl
+
+    from lightning_mp_lstm import LSTMLanguageModel
+    from lightning_mp_lstm.app import console
+    from lightning_mp_lstm.data import LMDataModule
+    from lightning_mp_lstm.strategy.strategy import MPLSTMStrategy
+
+    console.quiet()
+    starts: list[float] = []
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            starts.append(time.perf_counter())
+
+    data = LMDataModule(source="synthetic", synthetic={"num_train": 4000, "num_valid": 40, "num_test": 40,
+                                                       "vocab_size": 50}, buckets=[20], batch_size=32)
+    data.prepare_data()
+    data.setup("fit")
+    model = LSTMLanguageModel(data.vocab_size, embedding_dim=8, hidden_size=8, num_layers=2)
+    strategy = MPLSTMStrategy(data_parallel_size=replicas, pipeline_parallel_size=stages,
+                              n_microbatches=microbatches, verify=False, report_after_steps=None)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=replicas * stages, max_steps=TRIAL_STEPS,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[Clock()])
+    trainer.fit(model, datamodule=data)
+    if trainer.is_global_zero:
+        gaps = [b - a for a, b in zip(starts[TRIAL_WARMUP:], starts[TRIAL_WARMUP + 1:])]
+        print(json.dumps({"step_s": statistics.median(gaps)}), flush=True)
+    strategy.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", type=int, nargs="+", default=[os.cpu_count() or 1])
+    parser.add_argument("--trial", type=int, nargs=3, metavar=("REPLICAS", "STAGES", "MICROBATCHES"))
+    args = parser.parse_args(argv)
+    if args.trial:
+        _trial(*args.trial)
+        return 0
+    costs = step_costs(args.processes, again=True)
+    for (replicas, stages, microbatches), seconds in costs.items():
+        print(f"{replicas} replica(s) x {stages} stage(s), {microbatches} microbatch(es): {seconds * 1000:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

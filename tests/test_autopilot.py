@@ -1,0 +1,183 @@
+"""layout=auto: every layout ranked by predicted step time among those that fit in memory, the fastest run, and every
+rank process running the launching process's choice."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from lightning_mp_lstm.app import autopilot as app_autopilot
+from lightning_mp_lstm.app import step_cost
+from lightning_mp_lstm.app.training import build_model, build_strategy
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.planning import advice
+from lightning_mp_lstm.planning.advice import Calibration
+from lightning_mp_lstm.planning.autopilot import choose, rank_layouts, render_ranking
+from lightning_mp_lstm.planning.memory import GIB, BatchShape, ModelMemory
+from tests.helpers import SMALL_SYNTHETIC, TINY_RUN, run_command, tiny_model
+
+CPU = torch.device("cpu")
+PER_ROW = {"embedding": 0.001, "lstm.0": 0.004, "lstm.1": 0.004, "decoder": 0.003}
+
+
+@pytest.fixture
+def block_times(monkeypatch):
+    """Every block costs ``PER_ROW[block] * rows`` seconds on one thread."""
+    monkeypatch.setattr(advice.profile, "block_seconds",
+                        lambda model, names, rows, *args, **kwargs: {n: PER_ROW[n] * rows for n in names})
+
+
+def _memory(model) -> ModelMemory:
+    """The tiny model's memory with 1 GiB of parameters per LSTM layer (so budgets decide what fits)."""
+    names = list(pipeline_model(model).block_names)
+    return ModelMemory(parameters={n: GIB if n.startswith("lstm") else 1 for n in names},
+                       activations={n: 1.0 for n in names}, vocabulary=37, slice_tokens=None, optimizer_factor=0.0)
+
+
+def test_the_fastest_layout_that_fits_is_chosen_and_the_others_say_why_they_lose(block_times):
+    model = tiny_model(num_layers=2)
+    # Two processes run no faster than one here (no thread speed-up), so splitting wins on time ...
+    calibration = Calibration(((1, 1.0), (2, 1.0)), float("inf"))
+    ranked = rank_layouts(model, [2], 16, 10, CPU, calibration, memory=_memory(model),
+                          batch_for=lambda layout: BatchShape(16 // layout.data_parallel_size, 10),
+                          budget_for=lambda layout: (int(3.5 * GIB), "test"), cores=2)
+    # ... but a whole model holds 2 GiB of parameters, 2 of gradients and a layer's gradient while it is computed:
+    # over the 3.5 GiB budget, so one process and dp2 do not fit, and a pipeline (one layer per process) is chosen.
+    fits = {r.name: r.fits for r in ranked}
+    assert not fits["1 process (2 threads)"] and not fits["dp2"]
+    best = choose(ranked)
+    assert best.processes == 2 and best.layout.pipeline_parallel_size == 2
+    assert best.candidate.predicted_seconds == min(r.candidate.predicted_seconds for r in ranked if r.fits)
+    table = render_ranking(ranked, tokens=160)
+    lines = {line.split("  ")[0].strip(): line for line in table.splitlines()[2:]}
+    assert lines[best.name].endswith("chosen")
+    assert "does not fit: 5.00 of 3.50 GiB" in lines["1 process (2 threads)"]
+    slower = next(r for r in ranked if r.fits and r is not best)
+    ratio = slower.candidate.predicted_seconds / best.candidate.predicted_seconds
+    assert lines[slower.name].endswith(f"{ratio:.2f}x slower")
+
+
+def test_one_process_wins_when_threads_scale_and_nothing_fits_is_refused_with_the_table(block_times):
+    model = tiny_model(num_layers=2)
+    perfect = Calibration(((1, 1.0), (2, 2.0)), float("inf"), crowding=((2, 1.5),))
+    ranked = rank_layouts(model, [2], 16, 10, CPU, perfect, cores=2)
+    assert choose(ranked).name == "1 process (2 threads)" and choose(ranked).settings() == {
+        "data_parallel_size": 1, "pipeline_parallel_size": 1, "schedule": "1F1B", "n_microbatches": 1,
+        "time_chunks": None}
+    tight = rank_layouts(model, [2], 16, 10, CPU, perfect, memory=_memory(model),
+                         batch_for=lambda layout: BatchShape(16, 10), budget_for=lambda layout: (GIB, "test"),
+                         cores=2)
+    # None fits: the one that needs the least (a layer per process) is handed on, for its refusal to say what to do.
+    assert not any(r.fits for r in tight) and choose(tight).layout.pipeline_parallel_size == 2
+    assert "does not fit: 5.00 of 1.00 GiB" in render_ranking(tight) and "chosen" not in render_ranking(tight)
+
+
+def test_a_wavefront_choice_sets_the_schedule_and_both_axes(block_times, compose_train, monkeypatch):
+    model = tiny_model(num_layers=2)
+    ranked = rank_layouts(model, [2], 16, 12, CPU, Calibration(((1, 1.0),), float("inf")), cores=2)
+    wavefront = next(r for r in ranked if "wavefront" in r.name)
+    settings = wavefront.settings()
+    assert settings["schedule"] == "Wavefront" and settings["time_chunks"] == wavefront.candidate.time_chunks > 1
+    cfg = compose_train()
+    monkeypatch.delenv(app_autopilot.CHOICE, raising=False)
+    app_autopilot.apply_choice(cfg, settings)
+    strategy = build_strategy(cfg)
+    assert strategy.processes_for(None) == 2
+    assert (cfg.schedule.name, cfg.schedule.n_microbatches, cfg.schedule.time_chunks) == (
+        "Wavefront", settings["n_microbatches"], settings["time_chunks"])
+    assert json.loads(os.environ[app_autopilot.CHOICE]) == settings
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["partition=balanced4"], "the partition has a stage count"),
+    (["layout.data_parallel_size=2"], "layout.data_parallel_size or layout.tensor_parallel_size is set"),
+    (["schedule=wavefront"], "schedule Wavefront is not GPipe or 1F1B"),
+    (["schedule.n_microbatches=4"], "schedule.n_microbatches is set"),
+    (["trainer.num_nodes=2"], "the job spans several nodes"),
+    (["layout=pp2"], "the layout is not auto"),
+    ([], None),
+])
+def test_a_command_that_fixes_part_of_the_layout_keeps_it(compose_train, overrides, reason):
+    cfg = compose_train(*overrides)
+    strategy = build_strategy(cfg)
+    model = build_model(cfg, strategy, 37)
+    assert app_autopilot.autopilot_declined(cfg, strategy, model) == reason
+
+
+def test_train_py_ranks_the_layouts_once_and_every_rank_runs_the_choice(tmp_path):
+    """With trainer.devices=2 the autopilot ranks the two-process layouts; rank 1 takes the launching process's
+    choice from the environment (it prints no table of its own) and trains the same layout."""
+    args = [sys.executable, "train.py", *TINY_RUN, *SMALL_SYNTHETIC, "trainer.devices=2", "trainer.max_steps=2",
+            "evaluate=false", f"hydra.run.dir={tmp_path}/run"]
+    result = run_command(args, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:]
+    out = result.stdout
+    assert out.count("mp_lstm: layout=auto ranked") == 1
+    chosen = [line for line in out.splitlines() if line.rstrip().endswith("chosen")]
+    assert len(chosen) == 1 and " 2 " in chosen[0]
+    name = chosen[0].split("  ")[0]
+    assert f"mp_lstm: training on {name}" in out
+    dp = 2 if name == "dp2" else 1
+    assert f"ParallelLayout(data_parallel_size={dp}, pipeline_parallel_size={2 // dp}" in out
+    assert "Starting with 2 processes" in out
+
+
+# ----- what a step costs beyond its blocks --------------------------------------------------------------------------
+COSTS = {(1, 1, 1): 0.005, (2, 1, 1): 0.011, (1, 2, 2): 0.009, (1, 2, 8): 0.018}
+
+
+def test_a_step_cost_is_the_measured_kind_s_and_a_pipeline_s_grows_with_its_pieces():
+    calibration = Calibration(((1, 1.0),), float("inf"), step_costs=tuple(COSTS.items()))
+    assert calibration.step_cost(1, 1, 1) == 0.005 and calibration.step_cost(2, 1, 1) == 0.011
+    assert calibration.step_cost(1, 2, 2) == 0.009 and calibration.step_cost(1, 2, 8) == pytest.approx(0.018)
+    assert calibration.step_cost(1, 2, 4) == pytest.approx(0.009 + 2 * (0.018 - 0.009) / 6)
+    # Two replicas of a pipeline: the pipeline's cost and what replication adds to one process.
+    assert calibration.step_cost(2, 2, 2) == pytest.approx(0.009 + 0.011 - 0.005)
+    assert Calibration(((1, 1.0),), float("inf")).step_cost(2, 2, 4) == 0.0  # not measured: nothing added
+
+
+def test_every_candidate_pays_the_cost_of_its_kind(block_times):
+    model = tiny_model(num_layers=2)
+    bare = Calibration(((1, 1.0), (2, 1.5)), float("inf"))
+    # A pipeline's cost the same at any microbatch count here, so that every candidate keeps its microbatches.
+    flat = {**COSTS, (1, 2, 8): COSTS[(1, 2, 2)]}
+    costed = Calibration(((1, 1.0), (2, 1.5)), float("inf"), step_costs=tuple(flat.items()))
+    before = {r.name: r for r in rank_layouts(model, [2], 16, 10, CPU, bare, cores=2)}
+    after = {r.name: r for r in rank_layouts(model, [2], 16, 10, CPU, costed, cores=2)}
+    assert after.keys() == before.keys()
+    for name, ranked in after.items():
+        layout = ranked.layout
+        expected = before[name].candidate.predicted_seconds + costed.step_cost(
+            layout.data_parallel_size, layout.pipeline_parallel_size, layout.units)
+        assert ranked.candidate.predicted_seconds == pytest.approx(expected), name
+
+
+def test_step_costs_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch, capsys):
+    trials = []
+
+    def trial(*kind):
+        trials.append(kind)
+        return None if kind == (1, 2, 8) and len(trials) < 5 else COSTS[kind]  # the first (1, 2, 8) fails
+
+    monkeypatch.setattr(step_cost, "CACHE_FILE", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(step_cost, "_run_trial", trial)
+    assert step_cost.trial_kinds([2]) == [(1, 1, 1), (2, 1, 1), (1, 2, 2), (1, 2, 8)]
+    first = step_cost.step_costs([2])
+    assert trials == step_cost.trial_kinds([2]) and (1, 2, 8) not in first and first[(2, 1, 1)] == 0.011
+    assert "4 short runs of a near-zero model" in capsys.readouterr().out
+    # The next run reads the file and measures only what failed.
+    assert step_cost.step_costs([2]) == COSTS and trials[4:] == [(1, 2, 8)]
+    assert step_cost.step_costs([2]) == COSTS and len(trials) == 5
+    assert len(step_cost.step_costs([2], again=True)) == 4 and len(trials) == 9
+    # A damaged file is measured again, not trusted.
+    (tmp_path / "costs.json").write_text("{not json")
+    assert step_cost.step_costs([2]) == COSTS and len(trials) == 13
+
+
+def test_a_trial_runs_the_strategy_on_a_near_zero_model_and_reports_its_step():
+    seconds = step_cost._run_trial(1, 1, 1)
+    assert seconds is not None and 0 < seconds < 1
