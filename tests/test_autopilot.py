@@ -181,3 +181,13 @@ def test_step_costs_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch
 def test_a_trial_runs_the_strategy_on_a_near_zero_model_and_reports_its_step():
     seconds = step_cost._run_trial(1, 1, 1)
     assert seconds is not None and 0 < seconds < 1
+
+
+def test_a_data_module_that_does_not_say_its_batch_shape_keeps_the_layout(compose_train, capsys):
+    from types import SimpleNamespace
+
+    cfg = compose_train()
+    strategy = build_strategy(cfg)
+    model = build_model(cfg, strategy, 37)
+    assert app_autopilot.choose_layout(cfg, strategy, model, SimpleNamespace(batch_size=32)) is None
+    assert "the data module (SimpleNamespace) does not say its batch size" in capsys.readouterr().out

@@ -121,6 +121,12 @@ def choose_layout(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -
         print(f"mp_lstm: layout=auto times layouts on CPUs only; on {device.type} it runs one pipeline over the "
               "devices (choose another with layout=dp2, pp2, ...)")
         return None
+    if not getattr(datamodule, "mean_padded_length", None) or not (getattr(datamodule, "batch_size", None)
+                                                                   or getattr(datamodule, "max_tokens", None)):
+        print(f"mp_lstm: layout=auto runs one pipeline without ranking layouts: the data module "
+              f"({type(datamodule).__name__}) does not say its batch size (batch_size or max_tokens) and "
+              "mean_padded_length, which the step times are predicted for")
+        return None
     ranked, table = rank_run(cfg, strategy, model, datamodule)
     print(table)
     best = choose(ranked)
