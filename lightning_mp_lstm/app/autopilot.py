@@ -31,15 +31,16 @@ from lightning_mp_lstm.planning.memory import process_floor
 from lightning_mp_lstm.strategy.launcher import CHECKED_BY
 from lightning_mp_lstm.strategy.memory_check import largest_batch, model_memory
 
-__all__ = ["CHOICE", "apply_choice", "autopilot_declined", "choose_layout", "inherited_choice", "layout_overrides",
-           "rank_run"]
+__all__ = ["CHOICE", "apply_choice", "autopilot_declined", "choose_layout", "cpu_cores", "inherited_choice",
+           "layout_overrides", "rank_run"]
 
 #: The environment variable that hands the launching process's choice (JSON: the layout and schedule settings) to
 #: the rank processes it starts.
 CHOICE = "MP_LSTM_LAYOUT_CHOICE"
 
 
-def _cpu_count() -> int:
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system says it, else the CPU count)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -90,7 +91,7 @@ def rank_run(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -> tup
     Times blocks and threads on the CPU."""
     started = time.perf_counter()
     device = torch.device("cpu")
-    cores = _cpu_count()
+    cores = cpu_cores()
     counts = _process_counts(cfg, cores)
     length = max(1, round(float(datamodule.mean_padded_length)))
     rows = datamodule.batch_size or max(1, int(datamodule.max_tokens) // length)

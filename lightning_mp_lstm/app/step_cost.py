@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_mp_lstm.strategy.launcher import LAUNCH_ENV
+
 __all__ = ["CACHE_FILE", "step_costs", "trial_kinds"]
 
 #: Steps of a trial, and how many of them are warm-up.
@@ -66,8 +68,8 @@ def _run_trial(replicas: int, stages: int, microbatches: int) -> float | None:
     """Seconds per step of one trial, in a process of its own (``None``: it failed; a line says so)."""
     command = [sys.executable, "-m", "lightning_mp_lstm.app.step_cost", "--trial", str(replicas), str(stages),
                str(microbatches)]
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    # A fresh job of its own: none of the launching job's rendezvous settings.
+    environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     except subprocess.TimeoutExpired:

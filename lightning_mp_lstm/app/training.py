@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 from lightning_mp_lstm.app import console
-from lightning_mp_lstm.app.autopilot import apply_choice, autopilot_declined, choose_layout, inherited_choice
+from lightning_mp_lstm.app.autopilot import apply_choice, autopilot_declined, choose_layout, cpu_cores, inherited_choice
 from lightning_mp_lstm.app.option_types import check_option_types, check_option_values
 from lightning_mp_lstm.app.run_name import register_resolver
 from lightning_mp_lstm.app.stopped import continue_logs, exit_when_stopped, resume_command
@@ -138,7 +138,7 @@ def trainer_devices(cfg: DictConfig, strategy: Any, model: Any) -> Any:
     needed = strategy.processes_for(model)
     if needed is None:
         processes = cfg.get("layout", {}).get("processes") or 1
-        return (os.cpu_count() or 1) if processes == "auto" else int(processes)
+        return cpu_cores() if processes == "auto" else int(processes)
     num_nodes = int(cfg.trainer.get("num_nodes") or 1)
     if needed % num_nodes:
         raise LayoutError(f"the layout needs {needed} processes, which cannot be spread evenly over "
