@@ -14,7 +14,10 @@ Goals (issue 44): on every job the pick's measured step at most 1.10 x the best 
 25 % of its measurement (``predicted / measured`` from 0.75 to 1.25).
 
     python benchmarks/autopilot.py [--jobs main mxnet_ptb long vocab] [--first 5] [--steps 30] [--json FILE]
-                                   [--results benchmarks/results.json]
+                                   [--results benchmarks/results.json] [--override layout.processes=4 ...]
+
+``--override`` adds ``train.py`` overrides to every job (on a machine of many cores, ``layout.processes=4`` keeps the
+candidates to 4 processes; on a GPU machine, ``trainer.accelerator=cpu`` ranks the CPU layouts).
 
 ``--results`` adds the jobs as the ``autopilot`` section of the benchmarks' results (rendered on docs/results.md by
 ``python benchmarks/run.py --render docs/results.md``).
@@ -78,9 +81,9 @@ def mean_step(rows: list[dict[str, float]], first: int) -> float:
     return statistics.mean(kept)
 
 
-def _print_ranking(name: str) -> None:
+def _print_ranking(overrides: list[str]) -> None:
     """``--rank JOB``: the job's ranking as one JSON line (the table before it)."""
-    ranked, table = rank_job(JOBS[name])
+    ranked, table = rank_job(overrides)
     print(table)
     print(json.dumps([{"candidate": r.name, "processes": r.processes, "predicted_s": r.candidate.predicted_seconds,
                        "fits": r.fits, "peak_mib": r.memory.peak / 2**20 if r.memory is not None else None,
@@ -91,8 +94,9 @@ def run_job(name: str, overrides: list[str], first: int, steps: int) -> dict[str
     from lightning_mp_lstm.app.autopilot import layout_overrides
 
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, "--rank", name], cwd=ROOT, check=True, capture_output=True,
-                          text=True)
+    extra = [f"--override={o}" for o in overrides if o not in JOBS[name]]
+    done = subprocess.run([sys.executable, __file__, "--rank", name, *extra], cwd=ROOT, check=True,
+                          capture_output=True, text=True)
     lines = done.stdout.splitlines()
     ranked = json.loads(lines[-1])
     print("\n".join(line for line in lines[:-1] if not line.startswith("[")), flush=True)
@@ -159,12 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="steps measured after them")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--results", type=Path, default=None, help="add the autopilot section to these results")
+    parser.add_argument("--override", action="append", default=[], help="a train.py override added to every job")
     parser.add_argument("--rank", choices=list(JOBS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank:
-        _print_ranking(args.rank)
+        _print_ranking([*JOBS[args.rank], *args.override])
         return 0
-    results = [run_job(name, JOBS[name], args.first, args.steps) for name in args.jobs]
+    results = [run_job(name, [*JOBS[name], *args.override], args.first, args.steps) for name in args.jobs]
     command = " ".join(["python benchmarks/autopilot.py",
                         *(a for a in (argv if argv is not None else sys.argv[1:]))])
     out = {"command": command, "date": time.strftime("%Y-%m-%d"), "jobs": results}

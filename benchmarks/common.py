@@ -19,7 +19,7 @@ def ptb_dir() -> Path:
     """The directory with ``ptb.valid.txt`` and ``ptb.test.txt`` (see :func:`lightning_mp_lstm.base.testing.ptb_dir`).
 
     Returns:
-        ``$LIGHTNING_MP_LSTM_PTB_DIR`` when it is set, else ``../shared/data/ptb`` beside the repository.
+        ``$LIGHTNING_MP_LSTM_PTB_DIR`` when it is set, else the repository's ``data/ptb``.
 
     Raises:
         FileNotFoundError: when either file is missing there.

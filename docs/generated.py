@@ -49,8 +49,8 @@ BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- 
 #: The recorded runs: the command exactly as the README shows it.
 COMMANDS = {
     "main_job": "python train.py",
-    "ptb": ("python train.py data=ptb data.train=../shared/data/ptb/ptb.valid.txt "
-            "data.valid=../shared/data/ptb/ptb.test.txt data.test=../shared/data/ptb/ptb.test.txt buckets=mxnet "
+    "ptb": ("python train.py data=ptb data.train=data/ptb/ptb.valid.txt "
+            "data.valid=data/ptb/ptb.test.txt data.test=data/ptb/ptb.test.txt buckets=mxnet "
             "model=small trainer.max_epochs=6 ~callbacks.model_checkpoint"),
 }
 #: The strategy's arguments that Lightning's Trainer fills in (not options a user sets).

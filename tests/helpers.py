@@ -110,7 +110,7 @@ class TimeFirstStream(pl.LightningDataModule):
 # ----- data ------------------------------------------------------------------------------------------------
 def ptb_dir() -> Path:
     """The directory with ``ptb.valid.txt`` and ``ptb.test.txt``: ``$LIGHTNING_MP_LSTM_PTB_DIR``, else
-    ``../shared/data/ptb`` next to the repository. A test that needs them fails (CI has them), never skips."""
+    the repository's ``data/ptb``. A test that needs them fails, never skips: a clone holds them."""
     return testing.ptb_dir(ROOT)
 
 

@@ -33,6 +33,7 @@ import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import DivergenceGuard, MPLSTMStrategy
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.checkpoint import consolidate, read_checkpoint
+from lightning_mp_lstm.models.blocks import DecoderBlock
 from lightning_mp_lstm.planning import advice
 from tests.helpers import FixedBatches, TrainLosses, assert_same_training, run_ranks, tiny_model
 
@@ -173,6 +174,9 @@ def _precision_run(rank: int, world_size: int, precision: str) -> dict[str, Any]
         def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             for stage in trainer.strategy.engine.stage_modules.values():
                 for name, block in zip(stage.block_names, stage.blocks, strict=True):
+                    # The decoder block hands its inputs on and the loss calls the decoder on slices of them: the
+                    # logits' dtype is the decoder's own output.
+                    block = block.decoder if isinstance(block, DecoderBlock) else block
                     block.register_forward_hook(
                         lambda module, args, out, name=name: dtypes.setdefault(name, set()).add(str(out.dtype)))
 

@@ -1,7 +1,7 @@
 """AWD-LSTM (docs/examples/awd_lstm.py) on Penn Treebank as a 2-stage pipeline, next to the same module trained by its
 own ``training_step`` on one process, from the same seed: the validation curves of both, drawn in one picture.
 
-Only PTB's valid and test splits ship with this project (``../shared/data/ptb``, or ``$LIGHTNING_MP_LSTM_PTB_DIR``):
+Only PTB's valid and test splits ship with this project (``data/ptb``, or ``$LIGHTNING_MP_LSTM_PTB_DIR``):
 the first 90 % of ``ptb.valid.txt`` trains, its last 10 % validates; the test split is not used. The paper's recipe
 at a CPU's size: embedding 200, hidden 400, three layers, tied weights, every dropout and weight drop at the paper's
 PTB rates, AR 2 and TAR 1, SGD at learning rate 30 with the gradient clipped to norm 0.25; 20 sequences of 35 words.

@@ -43,16 +43,16 @@ def ptb_dir(root: Path) -> Path:
     """The directory with ``ptb.valid.txt`` and ``ptb.test.txt``.
 
     Args:
-        root: the repository root; without ``$LIGHTNING_MP_LSTM_PTB_DIR`` the files are looked for in
-            ``shared/data/ptb`` beside it (``<root>/../shared/data/ptb``).
+        root: the repository root; without ``$LIGHTNING_MP_LSTM_PTB_DIR`` the files are looked for in its
+            ``data/ptb`` (PTB's valid and test splits ship with the repository).
 
     Returns:
-        ``$LIGHTNING_MP_LSTM_PTB_DIR`` when it is set, else ``<root>/../shared/data/ptb``.
+        ``$LIGHTNING_MP_LSTM_PTB_DIR`` when it is set, else ``<root>/data/ptb``.
 
     Raises:
         FileNotFoundError: when either file is missing there (naming the directory and the variable to set).
     """
-    path = Path(os.environ.get(PTB_ENV) or Path(root).parent / "shared" / "data" / "ptb")
+    path = Path(os.environ.get(PTB_ENV) or Path(root) / "data" / "ptb")
     missing = [name for name in ("ptb.valid.txt", "ptb.test.txt") if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(f"PTB files {missing} not found in {path}; set {PTB_ENV} to their directory")
