@@ -7,7 +7,12 @@ median interval between step starts on rank 0) and the parameters each rank hold
 each; the one process runs two (the same cores). Lightning's FSDP strategy refuses a CPU, so the FSDP row is torch's
 ``fully_shard`` (FSDP2) in a loop of its own, as the bare pipelining row is.
 
-    python benchmarks/when_to_use.py [--steps 14] [--warmup 4]   # writes benchmarks/when_to_use.json
+The ``mp_lstm layout=auto`` row runs what the autopilot picks for this model and batch among the layouts of one and
+two processes (:func:`lightning_mp_lstm.planning.autopilot.rank_layouts`, calibrated on this machine first, as
+``python train.py layout=auto`` ranks). The runs go in ``--rounds`` interleaved rounds (every row once per round);
+a row's step time is the median over the rounds of each run's median step.
+
+    python benchmarks/when_to_use.py [--steps 14] [--warmup 4] [--rounds 3]   # writes benchmarks/when_to_use.json
     python docs/generated.py                                      # puts its table into docs/when_to_use.md
 """
 
@@ -51,7 +56,9 @@ RUNS = (
                                 "(`benchmarks/overhead.py`)"),
     ("mp_lstm pp2", 2, "`Trainer(strategy=\"mp_lstm\", devices=2)`: the same pipeline, 1F1B, 8 microbatches"),
     ("mp_lstm dp2", 2, "`MPLSTMStrategy(data_parallel_size=2)`: two replicas of the whole model"),
+    ("mp_lstm layout=auto", 0, "the autopilot's pick among the layouts of 1 and 2 processes"),
 )
+AUTO = "mp_lstm layout=auto"
 
 
 class _StepTimer(pl.Callback):
@@ -106,7 +113,27 @@ def _bare(rank: int, world_size: int, steps: int, setup: Setup) -> tuple[list, i
     return intervals, sum(p.numel() for p in blocks.module.parameters())
 
 
-def _worker(rank: int, world_size: int, name: str, steps: int) -> tuple[list[float], int]:
+def autopilot_pick(setup: Setup) -> tuple[dict[str, Any], str, int]:
+    """What ``layout=auto`` trains for this model and batch: the pick's strategy options, its name and processes
+    (the layouts of one and two processes ranked on this machine; the model is small, so memory is not planned)."""
+    from dataclasses import replace
+
+    from lightning_mp_lstm.app.step_cost import step_costs
+    from lightning_mp_lstm.planning.advice import calibrate
+    from lightning_mp_lstm.planning.autopilot import choose, rank_layouts, render_ranking
+
+    model, device, cores = model_of(setup), torch.device("cpu"), 2
+    calibration = calibrate(model, setup.rows, setup.length, device, threads=(cores,), processes=[2])
+    calibration = replace(calibration, step_costs=tuple(step_costs([2]).items()))
+    ranked = rank_layouts(model, [2], setup.rows, setup.length, device, calibration, schedule=setup.schedule,
+                          cores=cores)
+    print(render_ranking(ranked, setup.rows * setup.length), flush=True)
+    pick = choose(ranked)
+    return pick.settings(), pick.name, pick.processes
+
+
+def _worker(rank: int, world_size: int, name: str, steps: int,
+            auto: dict[str, Any] | None = None) -> tuple[list[float], int]:
     warnings.filterwarnings("ignore")
     setup = Setup()
     torch.set_num_threads(2 if world_size == 1 else 1)
@@ -120,31 +147,47 @@ def _worker(rank: int, world_size: int, name: str, steps: int) -> tuple[list[flo
         return _fsdp(rank, world_size, steps, setup)
     if name == "bare pipelining loop":
         return _bare(rank, world_size, steps, setup)
-    kwargs = ({"schedule": setup.schedule, "n_microbatches": setup.microbatches} if name == "mp_lstm pp2"
-              else {"data_parallel_size": 2, "pipeline_parallel_size": 1})
-    strategy = MPLSTMStrategy(report_after_steps=None, num_threads=1, **kwargs)
+    if name == AUTO:
+        kwargs = dict(auto or {})
+    elif name == "mp_lstm pp2":
+        kwargs = {"schedule": setup.schedule, "n_microbatches": setup.microbatches}
+    else:
+        kwargs = {"data_parallel_size": 2, "pipeline_parallel_size": 1}
+    strategy = MPLSTMStrategy(report_after_steps=None, num_threads=2 if world_size == 1 else 1, **kwargs)
     return _lightning(rank, world_size, steps, setup, strategy, shard=False)
 
 
-def measure(steps: int, warmup: int) -> dict[str, Any]:
-    """Every run of :data:`RUNS` in fresh processes; the rows of the table."""
-    setup, rows = Setup(), []
+def measure(steps: int, warmup: int, rounds: int = 3) -> dict[str, Any]:
+    """Every run of :data:`RUNS` in fresh processes, ``rounds`` times interleaved; the rows of the table."""
+    setup = Setup()
     tokens = setup.rows * setup.length
-    for name, processes, what in RUNS:
-        results = run_ranks(_worker, processes, name, steps, timeout=900, start_method="forkserver")
-        intervals = results[0][0][warmup:]
-        step_s = statistics.median(intervals)
+    auto, pick, pick_processes = autopilot_pick(setup)
+    runs = [(name, pick_processes if name == AUTO else processes,
+             f"{what}: {pick}" if name == AUTO else what) for name, processes, what in RUNS]
+    medians: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    held: dict[str, list[int]] = {}
+    timed: dict[str, int] = {}
+    for round_ in range(rounds):
+        for name, processes, _ in runs:
+            results = run_ranks(_worker, processes, name, steps, auto, timeout=900, start_method="forkserver")
+            intervals = results[0][0][warmup:]
+            medians[name].append(statistics.median(intervals))
+            timed[name] = len(intervals)
+            held[name] = [h for _, h in results]
+            print(f"round {round_ + 1}, {name}: {tokens / medians[name][-1]:,.0f} tokens/s", flush=True)
+    rows = []
+    for name, processes, what in runs:
+        step_s = statistics.median(medians[name])
         rows.append({"run": name, "what": what, "processes": processes, "step_s": step_s,
-                     "tokens_per_s": tokens / step_s, "params_per_rank": [held for _, held in results],
-                     "timed_steps": len(intervals)})
-        print(f"{name}: {tokens / step_s:,.0f} tokens/s", flush=True)
+                     "step_s_per_round": medians[name], "tokens_per_s": tokens / step_s,
+                     "params_per_rank": held[name], "timed_steps": timed[name], "rounds": rounds})
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["ratio"] = row["tokens_per_s"] / base
     import lightning
 
-    return {"command": "python benchmarks/when_to_use.py" + (f" --steps {steps} --warmup {warmup}"
-                                                               if (steps, warmup) != (14, 4) else ""),
+    return {"command": "python benchmarks/when_to_use.py" + (f" --steps {steps} --warmup {warmup} --rounds {rounds}"
+                                                               if (steps, warmup, rounds) != (14, 4, 3) else ""),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": {"cores": os.cpu_count(), "torch": torch.__version__, "lightning": lightning.__version__,
                         "python": platform.python_version()},
@@ -155,17 +198,19 @@ def measure(steps: int, warmup: int) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     """The page's table (Markdown) from a result of :func:`measure`."""
-    lines = ["| run | processes x threads | tokens/s | **x one process** | s/step | parameters per rank | what |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| run | processes x threads | tokens/s | **x one process** | s/step (each round) | parameters per rank "
+             "| what |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in result["rows"]:
         threads = "1 x 2" if row["processes"] == 1 else f"{row['processes']} x 1"
         held = ", ".join(f"{p:,}" for p in row["params_per_rank"])
+        rounds = ", ".join(f"{s:.3f}" for s in row.get("step_s_per_round", []))
         lines.append(f"| {row['run']} | {threads} | {row['tokens_per_s']:,.0f} | {row['ratio']:.2f} | "
-                     f"{row['step_s']:.3f} | {held} | {row['what']} |")
+                     f"{row['step_s']:.3f} ({rounds}) | {held} | {row['what']} |")
     m = result["machine"]
     lines.append("")
-    lines.append(f"{result['setup']['model']}, global batch {result['setup']['batch']}, SGD; median over "
-                 f"{result['rows'][0]['timed_steps']} timed steps per run after warm-up. `{result['command']}`, "
+    lines.append(f"{result['setup']['model']}, global batch {result['setup']['batch']}, SGD; each run's median over "
+                 f"{result['rows'][0]['timed_steps']} timed steps after warm-up, the median of "
+                 f"{result['rows'][0].get('rounds', 1)} interleaved rounds per row. `{result['command']}`, "
                  f"{result['date'][:10]}, {m['cores']} CPU cores, torch {m['torch']}, Lightning {m['lightning']} "
                  "(a shared machine: compare the rows, not the absolute numbers). Generated from "
                  "`benchmarks/when_to_use.json` by `python docs/generated.py`.")
@@ -176,8 +221,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a row's median over them)")
     args = parser.parse_args()
-    result = measure(args.steps, args.warmup)
+    result = measure(args.steps, args.warmup, args.rounds)
     OUT.write_text(json.dumps(result, indent=1) + "\n")
     print(render(result))
 
