@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mp_lstm import checkpoint as ckpt
+from lightning_mp_lstm.base import collector
 from lightning_mp_lstm.base.allocator import return_freed_memory, steady_threshold
 from lightning_mp_lstm.base.faults import PeerDirectory, result_from
 from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
@@ -338,8 +339,8 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.root_device.type == "cpu":  # built: steps reuse what the step before freed, where there is room
-            plan = self._memory
-            return_freed_memory(steady_threshold(getattr(plan, "peak", None), getattr(plan, "budget", None)))
+            return_freed_memory(steady_threshold(*(getattr(self._memory, key, None) for key in ("peak", "budget"))))
+        collector.leave_out_built_objects()  # no step waits on a pass over them (lightning_mp_lstm.base.collector)
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Seed the loader's workers by data-parallel replica, not by global rank (``seed_everything(workers=True)``):
@@ -421,6 +422,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         assert self.cluster_environment is not None and self.accelerator is not None
         if self._engine is not None:
             self._engine.flush()
+        collector.take_back_built_objects()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -430,10 +432,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         """End the job: wait for the processes this strategy launched and release the process group, so that another
         ``Trainer`` in this process (the next job of a Hydra multirun) starts its own set of processes.
 
-        Call it once no more ``fit``/``validate``/``test``/``predict`` calls will run with this strategy; in a plain
-        script, after its last multi-process call: the rank processes run the script themselves and follow it call by
-        call, so one released before a later call refuses it (and so does one started for it, which would run the
-        script's earlier calls first) rather than train another model beside this process.
+        Call it after the script's last ``fit``/``validate``/``test``/``predict`` with this strategy: the rank processes
+        run the script themselves and follow it call by call, so one released before a later call refuses it (and so
+        does one started for it, which would run the script's earlier calls first).
         """
         if isinstance(self._launcher, JobLauncher):
             self._launcher.release()
