@@ -254,6 +254,7 @@ def render(results: dict[str, Any], page: Path | None = None) -> str:
              "generated from that run's JSON (`python benchmarks/run.py --render docs/results.md` rewrites it from "
              "`benchmarks/results.json` without measuring). See [Benchmarks](benchmarks.md) for the individual "
              "scripts and earlier findings. The machine was shared: the load averages below say how busy it was.",
+             *_updates(results),
              "",
              "| machine | |", "| --- | --- |",
              f"| CPU | {m['cpu']} |", f"| cores | {m['cores']} |", f"| torch | {m['torch']} |",
@@ -283,6 +284,18 @@ def render(results: dict[str, Any], page: Path | None = None) -> str:
     lines += _pays(results)
     lines += [""] + _gpu_rows(results)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _updates(results: dict[str, Any]) -> list[str]:
+    """The page's lines for the sections measured again after the full run (``benchmarks/run.py --only``)."""
+    lines = []
+    for update in results.get("updates", []):
+        titles = ", ".join(results["sections"][name]["title"] for name in update["sections"]
+                           if name in results["sections"])
+        load = f"load average {update['load_before'][0]:.2f} before, {update['load_after'][0]:.2f} after"
+        lines += ["", f"The numbers of {titles} come from a later run instead: `{update['command']}` "
+                      f"({update['date']}, {update['duration_s'] / 60:.1f} minutes, {load})."]
+    return lines
 
 
 def write_page(results: dict[str, Any], page: Path) -> None:

@@ -5,6 +5,8 @@
     python benchmarks/run.py --render docs/results.md [--json benchmarks/results.json]   # page only, no measuring
     python benchmarks/run.py --device cuda            # on CUDA GPUs (NCCL): benchmarks/results_cuda.json and
                                                       # docs/results_cuda.md; refused when no GPU is visible
+    python benchmarks/run.py --only strategy_overhead  # measure some sections again: into the existing results,
+                                                      # the others kept, the page naming the later run (merged)
 
 Sections (each a table; each goal gets a met / missed flag, a missed goal never fails the command):
 
@@ -249,6 +251,19 @@ def measure(sizes: Sizes, pictures: Path, only: Sequence[str] = SECTIONS, log: C
     return {"sections": {k: found[k] for k in SECTIONS if k in found}, "pictures": pictures_written}
 
 
+def merged(earlier: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """The results of a run of some sections put into the ``earlier`` results of the same file: its sections
+    replaced, the others kept, and the run listed under ``updates`` (which sections, its command, date, duration and
+    load), so that a partial run never loses what the full run measured and the page says what came from where."""
+    if earlier.get("mode") != run["mode"] or earlier.get("schema") != run["schema"]:
+        return run
+    update = {"sections": sorted(run["sections"]), "command": run["command"], "date": run["date"],
+              "duration_s": run["duration_s"], "load_before": run["machine"]["load_before"],
+              "load_after": run["machine"]["load_after"]}
+    kept = [u for u in earlier.get("updates", []) if set(u["sections"]) - set(run["sections"])]
+    return {**earlier, "sections": {**earlier["sections"], **run["sections"]}, "updates": [*kept, update]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module's docstring).
 
@@ -318,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {"schema": SCHEMA, "mode": "quick" if args.quick else "full", "command": command,
                "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                "duration_s": time.perf_counter() - started, "machine": info, **measured}
+    if set(only) != set(default_only) and json_path.exists():
+        results = merged(json.loads(json_path.read_text()), results)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1) + "\n")
     try:

@@ -111,7 +111,7 @@ class Sizes:
     overhead_schedules: tuple[str, ...] = ("GPipe", "1F1B")
     overhead_steps: int = 30
     overhead_warmup: int = 5
-    overhead_rounds: int = 2
+    overhead_rounds: int = 5
     # seconds each group of processes may take
     timeout: float = 1800.0
     #: how the ranks start (lightning_mp_lstm.base.testing.run_ranks): "spawn" as launched ranks do, or "forkserver"

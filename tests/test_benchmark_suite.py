@@ -414,3 +414,27 @@ def test_the_autopilot_section_holds_the_schema_and_judges_the_pick_against_the_
     steps = [{"step": s, "elements": e, "step_s": t} for s, e, t in [(0, 1, 9.0), (1, 2, 9.0), (2, 1, 1.0),
                                                                      (3, 2, 3.0), (4, 3, 9.0), (5, 3, 2.0)]]
     assert autopilot.mean_step(steps, first=2) == 2.0
+
+
+def test_a_run_of_some_sections_keeps_the_others_and_the_page_says_where_each_came_from(quick, tmp_path):
+    """``benchmarks/run.py --only S`` into results that hold every section replaces S alone (a partial run once
+    wrote a file of one section over the full run's), and the page names the later run beside the full one."""
+    from benchmarks.render import write_page
+
+    full = quick["results"]
+    name = "strategy_overhead"
+    later = copy.deepcopy(full)
+    later.update(command=f"python benchmarks/run.py --quick --only {name}", date="2026-11-28T04:38:32+00:00",
+                 duration_s=120.0, sections={name: later["sections"][name]})
+    later["sections"][name]["rows"][0]["ratio"] = 0.5
+    both = run.merged(full, later)
+    assert set(both["sections"]) == set(full["sections"])
+    assert both["sections"][name]["rows"][0]["ratio"] == 0.5
+    assert all(both["sections"][s] == full["sections"][s] for s in full["sections"] if s != name)
+    assert both["command"] == full["command"] and [u["sections"] for u in both["updates"]] == [[name]]
+    assert [u["command"] for u in run.merged(both, later)["updates"]] == [later["command"]]  # the older one replaced
+    validate(both, list(full["sections"]))
+    write_page(both, tmp_path / "results.md")
+    text = (tmp_path / "results.md").read_text()
+    assert f"`{full['command']}`" in text and f"come from a later run instead: `{later['command']}`" in text
+    assert run.merged({**full, "mode": "full"}, later) is later  # a quick run never mixes into full results
