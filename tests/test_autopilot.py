@@ -191,3 +191,45 @@ def test_a_data_module_that_does_not_say_its_batch_shape_keeps_the_layout(compos
     model = build_model(cfg, strategy, 37)
     assert app_autopilot.choose_layout(cfg, strategy, model, SimpleNamespace(batch_size=32)) is None
     assert "the data module (SimpleNamespace) does not say its batch size" in capsys.readouterr().out
+
+
+def test_a_trainer_script_gets_the_pick_and_its_devices_and_its_rank_processes_take_it_over(block_times, monkeypatch,
+                                                                                             capsys):
+    """``auto_strategy`` is ``layout=auto`` for a script that builds its own Trainer: the pick's strategy and process
+    count; in a rank process the strategy started, the launching process's choice, with nothing timed."""
+    from lightning_mp_lstm.data import LMDataModule
+    from lightning_mp_lstm.strategy.launcher import CHECKED_BY
+    from tests.helpers import quiet_trainer
+
+    monkeypatch.delenv(app_autopilot.CHOICE, raising=False)
+    monkeypatch.delenv(CHECKED_BY, raising=False)
+    monkeypatch.setattr(app_autopilot, "step_costs", lambda counts: {})
+    datamodule = LMDataModule(source="synthetic", batch_size=8, num_auto_buckets=2,
+                              synthetic={"num_train": 64, "num_valid": 8, "num_test": 8, "vocab_size": 30})
+    datamodule.setup("fit")
+    model = tiny_model(vocab=datamodule.vocab_size)
+
+    # Threads that scale perfectly: one process wins, and the Trainer it gets trains on one device.
+    monkeypatch.setattr(app_autopilot, "calibrate", lambda *args, **kwargs: Calibration(
+        ((1, 1.0), (2, 2.0)), float("inf"), crowding=((2, 1.5),)))
+    strategy, devices = app_autopilot.auto_strategy(model, datamodule, processes=2, report_after_steps=None)
+    assert devices == 1 and strategy.processes_for(model) == 1
+    assert "1 process (2 threads)" in capsys.readouterr().out
+    quiet_trainer(strategy, devices, max_steps=2, limit_val_batches=0).fit(model, datamodule=datamodule)
+    strategy.shutdown()
+
+    # No speed-up from threads: two processes win; a rank process of that job takes the choice over untimed.
+    monkeypatch.setattr(app_autopilot, "calibrate", lambda *args, **kwargs: Calibration(((1, 1.0), (2, 1.0)),
+                                                                                          float("inf")))
+    strategy, devices = app_autopilot.auto_strategy(tiny_model(vocab=datamodule.vocab_size), datamodule, processes=2)
+    choice = json.loads(os.environ[app_autopilot.CHOICE])
+    assert devices == 2 == choice["data_parallel_size"] * choice["pipeline_parallel_size"]
+    monkeypatch.setenv(CHECKED_BY, "1")
+    monkeypatch.setattr(app_autopilot, "calibrate", lambda *args, **kwargs: pytest.fail("a rank process timed"))
+    again, same = app_autopilot.auto_strategy(tiny_model(vocab=datamodule.vocab_size), datamodule, processes=2)
+    assert same == devices and again.processes_for(model) == strategy.processes_for(model) == 2
+
+    with pytest.raises(ValueError, match="got pipeline_parallel_size: pass the layout to MPLSTMStrategy"):
+        app_autopilot.auto_strategy(model, datamodule, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="processes must be a positive number of processes or 'auto', got 0"):
+        app_autopilot.auto_strategy(model, datamodule, processes=0)

@@ -37,6 +37,18 @@ def test_pipeline_two_ranks_example_runs_as_a_script():
     assert math.isfinite(float(found[0]))
 
 
+@pytest.mark.timeout(300)
+def test_auto_layout_example_ranks_once_and_trains_the_pick():
+    result = run_command([sys.executable, str(EXAMPLES / "auto_layout.py")], timeout=280)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert len(re.findall(r"^mp_lstm: layout=auto ranked \d+ layouts", result.stdout, flags=re.MULTILINE)) == 1
+    chosen = re.findall(r"^(.+?)  +\d+ +\d+ .* chosen$", result.stdout, flags=re.MULTILINE)
+    found = re.findall(r"^trained on (\d) process\(es\); final loss: (\S+)$", result.stdout, flags=re.MULTILINE)
+    assert len(chosen) == 1 and len(found) == 1, result.stdout[-4000:]  # ranked and reported once, on rank 0
+    processes = 1 if chosen[0].startswith("1 process") else 2
+    assert int(found[0][0]) == processes and math.isfinite(float(found[0][1]))
+
+
 @pytest.mark.timeout(200)
 def test_word_language_model_example_trains_as_a_pipeline_and_loads_into_the_plain_module():
     result = run_command([sys.executable, str(EXAMPLES / "word_language_model.py")], timeout=180)

@@ -9,6 +9,9 @@ The autopilot leaves the layout to the command, as ``layout=auto`` did before it
 part of it: a partition with a stage count, a data- or tensor-parallel size, a schedule other than GPipe or 1F1B,
 a microbatch count, several nodes, or processes started by ``torchrun``/``srun``. It times blocks and threads on the
 CPU only; on a GPU it says so and runs one pipeline over the devices.
+
+A script that builds its own ``Trainer`` calls :func:`auto_strategy` before it: the strategy and the number of
+devices of the pick (a strategy cannot change the Trainer's devices once the Trainer holds them).
 """
 
 from __future__ import annotations
@@ -31,8 +34,12 @@ from lightning_mp_lstm.planning.memory import process_floor
 from lightning_mp_lstm.strategy.launcher import CHECKED_BY
 from lightning_mp_lstm.strategy.memory_check import largest_batch, model_memory
 
-__all__ = ["CHOICE", "apply_choice", "autopilot_declined", "choose_layout", "cpu_cores", "inherited_choice",
-           "layout_overrides", "rank_run"]
+__all__ = ["CHOICE", "apply_choice", "auto_strategy", "autopilot_declined", "choose_layout", "cpu_cores",
+           "inherited_choice", "layout_overrides", "rank_layouts_for", "rank_run"]
+
+#: The strategy options the autopilot chooses (:func:`auto_strategy` refuses them).
+CHOSEN_OPTIONS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size", "schedule", "n_microbatches",
+                  "time_chunks")
 
 #: The environment variable that hands the launching process's choice (JSON: the layout and schedule settings) to
 #: the rank processes it starts.
@@ -86,13 +93,23 @@ def _process_counts(cfg: DictConfig, cores: int) -> list[int]:
 
 
 def rank_run(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -> tuple[list[RankedLayout], str]:
-    """Every layout of this run's processes ranked (:func:`~lightning_mp_lstm.planning.autopilot.rank_layouts`):
-    those that fit first, fastest predicted first; and the table to print, with a line that says what was ranked.
-    Times blocks and threads on the CPU."""
+    """Every layout of this run's processes ranked (:func:`rank_layouts_for`, the counts and schedule from
+    ``cfg``): those that fit first, fastest predicted first; and the table to print."""
+    counts = _process_counts(cfg, cpu_cores())
+    exact = cfg.trainer.get("devices") not in (None, "auto")
+    return rank_layouts_for(strategy, model, datamodule, counts, str(cfg.schedule.get("name", "1F1B")), exact)
+
+
+def rank_layouts_for(strategy: Any, model: Any, datamodule: Any, counts: list[int], schedule: str = "1F1B",
+                     exact: bool = False) -> tuple[list[RankedLayout], str]:
+    """Every layout of ``counts`` processes (and one process; with ``exact``, only those of ``counts[0]`` where
+    any) ranked for ``model`` on ``datamodule``'s batches (:func:`~lightning_mp_lstm.planning.autopilot.
+    rank_layouts`), with ``strategy``'s memory budget; and the table to print, with a line that says what was
+    ranked. Times blocks and threads on the CPU; the step costs come from :func:`~lightning_mp_lstm.app.step_cost.
+    step_costs` (measured once per machine)."""
     started = time.perf_counter()
     device = torch.device("cpu")
     cores = cpu_cores()
-    counts = _process_counts(cfg, cores)
     length = max(1, round(float(datamodule.mean_padded_length)))
     rows = datamodule.batch_size or max(1, int(datamodule.max_tokens) // length)
     blocks = pipeline_model(model)
@@ -103,8 +120,8 @@ def rank_run(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -> tup
         model, counts, rows, length, device, calibration, memory=model_memory(blocks, model),
         batch_for=lambda layout: largest_batch(datamodule, layout), floor=process_floor(),
         budget_for=lambda layout: strategy.memory_budget(device, layout.world_size),
-        schedule=str(cfg.schedule.get("name", "1F1B")), cores=cores)
-    if cfg.trainer.get("devices") not in (None, "auto"):
+        schedule=schedule, cores=cores)
+    if exact:
         ranked = [r for r in ranked if r.processes == counts[0]] or ranked
     table = (f"mp_lstm: layout=auto ranked {len(ranked)} layouts of up to {max(counts)} processes on {cores} cores "
              f"(a global batch of {rows} x {length} tokens; {time.perf_counter() - started:.1f} s):\n"
@@ -137,6 +154,62 @@ def choose_layout(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -
         print(f"mp_lstm: training on {best.name}"
               + (" (one process is predicted fastest here)" if best.processes == 1 else ""))
     return best.settings()
+
+
+def auto_strategy(model: Any, datamodule: Any, processes: int | str = "auto",
+                  **options: Any) -> tuple[Any, int]:
+    """The autopilot for a ``Trainer`` you build: the strategy and number of devices of the fastest layout that fits.
+
+    Ranks every layout of one process and of each power of two up to ``processes`` processes for ``model`` on
+    ``datamodule``'s batches, as ``python train.py layout=auto`` does, prints the table, and returns an
+    ``MPLSTMStrategy`` set to the pick with ``options`` and the pick's process count::
+
+        strategy, devices = auto_strategy(model, datamodule)
+        trainer = pl.Trainer(strategy=strategy, devices=devices, accelerator="cpu")
+        trainer.fit(model, datamodule=datamodule)
+
+    The rank processes the strategy starts run the script again; there this returns the launching process's choice
+    (handed on in :data:`CHOICE`) without timing anything, so every process runs the same layout.
+
+    Args:
+        model: the LightningModule, with a pipeline declaration (possibly built on the meta device).
+        datamodule: a data module that says its batch (``batch_size`` or ``max_tokens``, and
+            ``mean_padded_length``, as ``LMDataModule`` does); set up here for ``fit`` if it is not yet.
+        processes: the most processes (``"auto"``: this machine's CPU cores).
+        options: other ``MPLSTMStrategy`` options (not the layout's: :data:`CHOSEN_OPTIONS`).
+
+    Raises:
+        ValueError: ``options`` fix part of the layout, ``processes`` is not a positive count or ``"auto"``, or the
+            data module does not say its batch.
+    """
+    from lightning_mp_lstm.strategy.strategy import MPLSTMStrategy
+
+    fixed = sorted(set(options) & set(CHOSEN_OPTIONS))
+    if fixed:
+        raise ValueError(f"auto_strategy chooses {', '.join(CHOSEN_OPTIONS)}; got {', '.join(fixed)}: pass the "
+                         "layout to MPLSTMStrategy yourself to fix it")
+    if processes != "auto" and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
+        raise ValueError(f"processes must be a positive number of processes or 'auto', got {processes!r}")
+    settings = inherited_choice()
+    if settings is None:
+        if getattr(datamodule, "mean_padded_length", None) is None:
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+        if not getattr(datamodule, "mean_padded_length", None) or not (getattr(datamodule, "batch_size", None)
+                                                                       or getattr(datamodule, "max_tokens", None)):
+            raise ValueError(f"auto_strategy needs a data module that says its batch size (batch_size or max_tokens) "
+                             f"and mean_padded_length, which the step times are predicted for; "
+                             f"{type(datamodule).__name__} does not")
+        most = cpu_cores() if processes == "auto" else int(processes)
+        counts = [n for n in (2, 4, 8, 16, 32, 64) if n <= most] or [1]
+        ranked, table = rank_layouts_for(MPLSTMStrategy(**options), model, datamodule, counts)
+        print(table)
+        best = choose(ranked)
+        print(f"mp_lstm: {'training on' if best.fits else 'no layout fits in memory; the least needs'} {best.name}")
+        settings = best.settings()
+        os.environ[CHOICE] = json.dumps(settings)
+    chosen = {k: v for k, v in settings.items() if v is not None}
+    return MPLSTMStrategy(**options, **chosen), settings["data_parallel_size"] * settings["pipeline_parallel_size"]
 
 
 def _layout_values(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
