@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -173,9 +174,14 @@ def test_step_costs_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch
     assert step_cost.step_costs([2]) == COSTS and trials[4:] == [(1, 2, 8)]
     assert step_cost.step_costs([2]) == COSTS and len(trials) == 5
     assert len(step_cost.step_costs([2], again=True)) == 4 and len(trials) == 9
-    # A damaged file is measured again, not trusted.
-    (tmp_path / "costs.json").write_text("{not json")
-    assert step_cost.step_costs([2]) == COSTS and len(trials) == 13
+    # A damaged file is said and measured again, never trusted: not JSON, not an object, this machine's entry bad.
+    capsys.readouterr()
+    for damaged, count in (("{not json", 13), ("[1, 2]", 17), (json.dumps({step_cost._machine(): ["x"]}), 21),
+                           (json.dumps({step_cost._machine(): {"[1, 1, 1]": "fast"}}), 25)):
+        (tmp_path / "costs.json").write_text(damaged)
+        assert step_cost.step_costs([2]) == COSTS and len(trials) == count
+        assert re.search(r"mp_lstm: the step costs kept in \S+costs\.json .*(unreadable|not a JSON object)",
+                         capsys.readouterr().out), damaged
 
 
 def test_a_trial_runs_the_strategy_on_a_near_zero_model_and_reports_its_step():

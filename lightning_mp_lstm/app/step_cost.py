@@ -87,11 +87,12 @@ def step_costs(processes: Sequence[int], again: bool = False) -> dict[tuple[int,
     """This machine's step costs for these process counts, ``(replicas, stages, microbatches) -> seconds per
     step``: from the cache, measured (and kept) where missing, or all measured ``again``."""
     path, machine = _cache_file(), _machine()
+    cached, known = _read_cache(path), {}
     try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    known = {} if again else {tuple(json.loads(k)): float(v) for k, v in cached.get(machine, {}).items()}
+        known = {} if again else {tuple(json.loads(k)): float(v) for k, v in cached.get(machine, {}).items()}
+    except (AttributeError, TypeError, ValueError) as error:
+        print(f"mp_lstm: the step costs kept in {path} for this machine are unreadable ({error}); measuring again")
+        cached.pop(machine, None)
     missing = [kind for kind in trial_kinds(processes) if kind not in known]
     if missing:
         started = time.perf_counter()
@@ -111,6 +112,21 @@ def step_costs(processes: Sequence[int], again: bool = False) -> dict[tuple[int,
         except OSError as error:
             print(f"mp_lstm: could not keep the step costs in {path}: {error}")
     return {kind: known[kind] for kind in trial_kinds(processes) if kind in known}
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    """The kept step costs (``{}`` where there are none; a damaged file is said and measured again)."""
+    try:
+        cached = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        print(f"mp_lstm: the step costs kept in {path} are unreadable ({error}); measuring again")
+        return {}
+    if not isinstance(cached, dict):
+        print(f"mp_lstm: the step costs kept in {path} are not a JSON object; measuring again")
+        return {}
+    return cached
 
 
 def _trial(replicas: int, stages: int, microbatches: int) -> None:
