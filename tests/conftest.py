@@ -13,10 +13,49 @@ from omegaconf import DictConfig
 
 from tests.helpers import ROOT, ptb_dir
 
+#: The marker of every test that starts a process (ranks, ``train.py``, scripts, the docs build, the benchmarks).
+PROCESSES = "processes"
+#: The test running now (the guard of the fast tier names it).
+_RUNNING: dict[str, pytest.Item | None] = {"item": None}
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # One thread per process: in-process references and the ranks share 2 cores.
     torch.set_num_threads(1)
+    if f"not {PROCESSES}" in (config.option.markexpr or ""):
+        _refuse_unmarked_process_starts()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    _RUNNING["item"] = item
+
+
+def _refuse_unmarked_process_starts() -> None:
+    """The fast tier (``-m "not processes"``) starts no process: a test that starts one (``subprocess`` or
+    ``multiprocessing``, in its body or its fixtures) without the marker fails, naming itself, so the marker never
+    goes stale."""
+    import multiprocessing.process
+    import subprocess
+
+    def check(what: str) -> None:
+        item = _RUNNING["item"]
+        if item is not None and item.get_closest_marker(PROCESSES) is None:
+            raise RuntimeError(f"{item.nodeid} starts {what} but is not marked @pytest.mark.{PROCESSES}: the fast "
+                               f"tier (-m 'not {PROCESSES}') starts no process; mark the test (or its module)")
+
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def guarded_popen_init(self, *args, **kwargs):
+        check(f"a process ({args[0] if args else kwargs.get('args')!r})")
+        popen_init(self, *args, **kwargs)
+
+    def guarded_start(self):
+        check("a multiprocessing process")
+        process_start(self)
+
+    subprocess.Popen.__init__ = guarded_popen_init
+    multiprocessing.process.BaseProcess.start = guarded_start
 
 
 @pytest.fixture

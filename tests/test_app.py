@@ -34,6 +34,9 @@ from tests.helpers import (
     threads_at_exit,
 )
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 TINY = [*TINY_RUN, *SMALL_SYNTHETIC]
 IN_PROCESS = [*TINY, ONE_PROCESS]
 

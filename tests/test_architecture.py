@@ -27,6 +27,7 @@ def _folders() -> list[str]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_lint_imports_keeps_every_contract():
     result = run_command(LINT, timeout=110)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -34,6 +35,7 @@ def test_lint_imports_keeps_every_contract():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_an_upward_import_or_a_circle_breaks_the_contracts(tmp_path):
     """The contracts catch what they are for: on a copy of the package, planning importing the pipeline (a layer
     above it) and the declaration importing its binding back (a circle) are each named."""

@@ -109,6 +109,7 @@ def test_a_command_that_fixes_part_of_the_layout_keeps_it(compose_train, overrid
     assert app_autopilot.autopilot_declined(cfg, strategy, model) == reason
 
 
+@pytest.mark.processes
 def test_train_py_ranks_the_layouts_once_and_every_rank_runs_the_choice(tmp_path):
     """With trainer.devices=2 the autopilot ranks the two-process layouts; rank 1 takes the launching process's
     choice from the environment (it prints no table of its own) and trains the same layout."""
@@ -184,6 +185,7 @@ def test_step_costs_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch
                          capsys.readouterr().out), damaged
 
 
+@pytest.mark.processes
 def test_a_trial_runs_the_strategy_on_a_near_zero_model_and_reports_its_step():
     seconds = step_cost._run_trial(1, 1, 1)
     assert seconds is not None and 0 < seconds < 1
@@ -199,6 +201,7 @@ def test_a_data_module_that_does_not_say_its_batch_shape_keeps_the_layout(compos
     assert "the data module (SimpleNamespace) does not say its batch size" in capsys.readouterr().out
 
 
+@pytest.mark.processes
 def test_a_trainer_script_gets_the_pick_and_its_devices_and_its_rank_processes_take_it_over(block_times, monkeypatch,
                                                                                              capsys):
     """``auto_strategy`` is ``layout=auto`` for a script that builds its own Trainer: the pick's strategy and process

@@ -248,6 +248,7 @@ def _refuse_to_launch(*args, **kwargs):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.processes
 def test_bad_input_fails_clearly_and_keeps_the_checkpoint(case, tmp_path, good_checkpoint, compose_train,
                                                           monkeypatch):
     torch.set_num_threads(1)
@@ -268,6 +269,7 @@ def test_bad_input_fails_clearly_and_keeps_the_checkpoint(case, tmp_path, good_c
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.processes
 def test_train_py_on_two_processes_fails_before_starting_the_second(tmp_path):
     """What used to fail on every rank after launching (too few sentences for the replicas) now fails in the one
     process `python train.py layout=dp2` starts with: no rank is spawned, no process group formed."""

@@ -38,6 +38,7 @@ def _finite_positive(value: Any) -> bool:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_quick_run_measures_every_section_and_holds_the_schema(quick):
     results = quick["results"]
     assert results["mode"] == "quick" and results["schema"] == SCHEMA
@@ -54,6 +55,7 @@ def test_quick_run_measures_every_section_and_holds_the_schema(quick):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_pipeline_bound_rows_are_measured(quick):
     section = quick["results"]["sections"]["pipeline_bound"]
     rows = section["rows"]
@@ -114,6 +116,7 @@ def test_the_bound_is_held_against_the_step_after_each_recorded_one():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_layout_rows_cover_every_model_and_layout(quick):
     rows = quick["results"]["sections"]["layouts"]["rows"]
     assert {r["model"] for r in rows} == {"tiny", "small", "mxnet_ptb"}
@@ -129,6 +132,7 @@ def test_layout_rows_cover_every_model_and_layout(quick):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_partition_regret_tries_every_contiguous_split(quick):
     section = quick["results"]["sections"]["partition_regret"]
     rows = section["rows"]
@@ -144,6 +148,7 @@ def test_partition_regret_tries_every_contiguous_split(quick):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_bucketing_rows_have_fractions_and_speeds(quick):
     rows = {r["buckets"]: r for r in quick["results"]["sections"]["bucketing"]["rows"]}
     none = rows["none (pad to longest)"]
@@ -158,6 +163,7 @@ def test_bucketing_rows_have_fractions_and_speeds(quick):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_memory_overhead_and_advice_sections(quick):
     sections = quick["results"]["sections"]
     memory = sections["memory"]["rows"]
@@ -188,6 +194,7 @@ def test_memory_overhead_and_advice_sections(quick):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_wavefront_section_compares_time_chunks_with_row_microbatches(quick):
     section = quick["results"]["sections"]["wavefront"]
     rows = {r["variant"]: r for r in section["rows"]}
@@ -208,6 +215,7 @@ def test_wavefront_section_compares_time_chunks_with_row_microbatches(quick):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_page_mentions_every_section_and_shows_the_pictures(quick):
     page, results = quick["page"], quick["results"]
     for section in results["sections"].values():
@@ -222,6 +230,7 @@ def test_page_mentions_every_section_and_shows_the_pictures(quick):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_page_renders_from_the_json_alone(quick, tmp_path):
     again = quick["out"] / "again.md"
     result = run_command([sys.executable, str(SCRIPT), "--render", str(again), "--json",
@@ -237,6 +246,7 @@ def test_page_renders_from_the_json_alone(quick, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_broken_results_are_refused(quick, tmp_path):
     good = quick["results"]
     breakages = {
@@ -324,6 +334,7 @@ def test_a_shapes_first_step_is_warm_up_reported_apart():
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.processes
 def test_the_main_job_benchmark_measures_the_bare_loop_beside_it():
     """The machine's own noise floor: the bare pipelining loop's steps on two ranks, their slowest over their median and
     the share of a step outside ``schedule.step``."""
@@ -336,6 +347,7 @@ def test_the_main_job_benchmark_measures_the_bare_loop_beside_it():
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.processes
 def test_the_bare_loop_clips_by_the_whole_models_norm_as_the_main_job_does():
     """The main job's floor clips by the global norm and steps Adam: both stages see the norm of the whole model's
     gradient (one process's, at the first step), and the floor is measured with the main job's optimizer and clip."""
@@ -416,6 +428,7 @@ def test_the_autopilot_section_holds_the_schema_and_judges_the_pick_against_the_
     assert autopilot.mean_step(steps, first=2) == 2.0
 
 
+@pytest.mark.processes
 def test_a_run_of_some_sections_keeps_the_others_and_the_page_says_where_each_came_from(quick, tmp_path):
     """``benchmarks/run.py --only S`` into results that hold every section replaces S alone (a partial run once
     wrote a file of one section over the full run's), and the page names the later run beside the full one."""

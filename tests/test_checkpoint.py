@@ -175,6 +175,7 @@ def _load(path: Path) -> dict:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_checkpoint_holds_the_full_model_and_name_keyed_optimizer_state(run):
     results, tmp = run
     ckpt = _load(tmp / "n.ckpt")
@@ -203,6 +204,7 @@ def test_checkpoint_holds_the_full_model_and_name_keyed_optimizer_state(run):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_checkpoint_loads_into_one_process_with_the_same_validation_loss(run):
     results, tmp = run
     model = LSTMLanguageModel.load_from_checkpoint(tmp / "n.ckpt", map_location="cpu")
@@ -221,6 +223,7 @@ def test_checkpoint_loads_into_one_process_with_the_same_validation_loss(run):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_resume_on_other_layouts_equals_an_uninterrupted_run(run):
     results, tmp = run
     _, uninterrupted = _reference_fit(N_EPOCHS + M_EPOCHS)
@@ -246,6 +249,7 @@ def test_resume_on_other_layouts_equals_an_uninterrupted_run(run):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_checkpoint_of_an_interleaved_layout_loads_into_a_plain_optimizer(run):
     """Rank 0 holds ``embedding`` + ``lstm.1``, rank 1 ``lstm.0`` + ``decoder``: the merged groups must still
     list parameters in model order, or a plain optimizer pairs ``lstm.1``'s moments with ``lstm.0``."""
@@ -265,6 +269,7 @@ def test_checkpoint_of_an_interleaved_layout_loads_into_a_plain_optimizer(run):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_model_checkpoint_picks_the_same_best_checkpoint_on_every_rank(run):
     results, _ = run
     first, second = results[0]["best"], results[1]["best"]
@@ -286,6 +291,7 @@ def test_model_checkpoint_picks_the_same_best_checkpoint_on_every_rank(run):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_strict_loading_is_honoured_on_every_rank(run):
     results, _ = run
     for rank, r in enumerate(results):
@@ -316,6 +322,7 @@ def test_a_one_process_optimizer_state_is_keyed_by_name_for_any_layout():
         name_keyed_optimizer_state(positional, [*names, "lstm.2.weight_ih_l0"])
 
 
+@pytest.mark.processes
 def test_data_module_vocabulary_is_in_the_checkpoint(run):
     results, tmp = run
     ckpt = _load(tmp / "synthetic.ckpt")
@@ -334,6 +341,7 @@ def test_data_module_vocabulary_is_in_the_checkpoint(run):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_a_save_failing_mid_write_keeps_the_previous_checkpoint(run):
     results, tmp = run
     # Rank 0 (the writer) got the error half-way through writing; rank 1 wrote nothing but raises it too.

@@ -30,6 +30,9 @@ from lightning_mp_lstm.checkpoint.integrity import INTEGRITY_KEY, with_record
 from lightning_mp_lstm.data import LMDataModule
 from tests.helpers import damage_tensor_bytes, quiet_trainer, run_ranks
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 DATA = {"source": "synthetic", "batch_size": 8, "buckets": [8, 16],
         "synthetic": {"num_train": 48, "num_valid": 8, "num_test": 8, "vocab_size": 30, "num_classes": 4}}
 SIZES = {"embedding_dim": 8, "hidden_size": 8, "num_layers": 2}

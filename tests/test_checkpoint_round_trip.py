@@ -21,6 +21,9 @@ from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.checkpoint import read_checkpoint
 from tests.helpers import FixedBatches, TrainLosses, assert_ranks_match, quiet_trainer, rel_error, run_ranks, tiny_model
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 EPOCH_STEPS = 3  # FixedBatches((5, 9, 7)): three batches per epoch
 TIES = (False, True)
 

@@ -14,6 +14,9 @@ from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.checkpoint import SHARDED_METADATA, consolidate, is_sharded, read_checkpoint
 from tests.helpers import FixedBatches, assert_ranks_match, parameters_of, quiet_trainer, run_ranks, tiny_model
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 FIRST, TOTAL = 2, 3  # epochs before the checkpoint, epochs in all
 
 

@@ -66,6 +66,7 @@ def dist_all(value: float) -> list[float]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.processes
 def test_the_posted_receives_give_every_rank_the_global_norm_bit_for_bit(world_size):
     results = run_ranks(_exchange_worker, world_size, timeout=90)
     for r in results:

@@ -13,6 +13,9 @@ from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.data import LMDataModule
 from tests.helpers import rel_error, run_ranks
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 SYNTHETIC = {"num_train": 240, "num_valid": 40, "num_test": 40, "vocab_size": 1000}
 
 

@@ -161,6 +161,7 @@ def _loader(num_workers: int = 0, **kwargs: Any) -> ResumableDataLoader:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.processes
 def test_loader_saves_what_was_consumed_not_what_was_prefetched(num_workers: int) -> None:
     full = _epoch(EPOCH)
     loader = _loader(num_workers)
@@ -249,6 +250,7 @@ def _assert_continues(resumed: _Run, reference: _Run, step: int) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("saved_at", "num_workers"), [("train_batch_end", 0), ("validation_end", 1)])
+@pytest.mark.processes
 def test_lightning_resumes_mid_epoch_exactly(tmp_path: Path, saved_at: str, num_workers: int) -> None:
     if saved_at == "train_batch_end":  # a checkpoint every 10 steps, the run stopped after 17
         settings: dict[str, Any] = {"limit_val_batches": 0}
@@ -269,6 +271,7 @@ def test_lightning_resumes_mid_epoch_exactly(tmp_path: Path, saved_at: str, num_
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("saved_at", "num_workers"),
                          [("validation_end", 1), ("train_epoch_end", 1), ("train_epoch_end", 0)])
+@pytest.mark.processes
 def test_lightning_resumes_after_an_epoch_end_checkpoint(tmp_path: Path, saved_at: str, num_workers: int) -> None:
     # With validation, ModelCheckpoint saves when the validation at the end of the epoch ends (Lightning then
     # restores "inside" the finished epoch and loads the loader state); without, at on_train_epoch_end

@@ -92,6 +92,7 @@ def _fit(model, strategy, devices=1, steps=2):
     return trainer
 
 
+@pytest.mark.processes
 def test_the_check_runs_by_default_on_the_module_itself_and_leaves_it_as_it_was():
     for p in (0.0, 0.5):  # at rate 0 the raw weight has a second name: one parameter, compared once
         torch.manual_seed(0)
@@ -111,6 +112,7 @@ def test_the_check_runs_by_default_on_the_module_itself_and_leaves_it_as_it_was(
         assert float(metrics["train_objective"]) > float(metrics["train_loss"]) > 0
 
 
+@pytest.mark.processes
 def test_the_module_logs_the_same_train_loss_as_on_one_process():
     torch.manual_seed(0)
     alone = _fit(Wrapped(), "auto", steps=1).callback_metrics["train_loss"]
@@ -121,6 +123,7 @@ def test_the_module_logs_the_same_train_loss_as_on_one_process():
     assert float(split) == pytest.approx(float(alone), rel=1e-5)
 
 
+@pytest.mark.processes
 def test_a_logged_name_that_means_something_else_stops_the_run():
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, **QUIET)
     torch.manual_seed(0)
@@ -129,6 +132,7 @@ def test_a_logged_name_that_means_something_else_stops_the_run():
     strategy.shutdown()
 
 
+@pytest.mark.processes
 def test_verify_false_and_the_librarys_own_model_skip_it_and_a_bad_value_is_named(caplog):
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, verify=False, **QUIET)
     torch.manual_seed(0)
@@ -174,6 +178,7 @@ def _checked_on_two_processes(rank: int, world_size: int) -> dict[str, tuple[str
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 def test_on_two_processes_every_layout_passes_and_each_rank_keeps_its_blocks_and_a_meta_module_skips_it():
     first, second = run_ranks(_checked_on_two_processes, 2, timeout=220)
     for name in LAYOUTS:
@@ -208,6 +213,7 @@ class PerCharacter(pl.LightningModule):
         return LSTMBlocks(embedding="encoder", lstm="rnn", decoder="decoder", reduction="sequence_mean")
 
 
+@pytest.mark.processes
 def test_a_loss_logged_per_character_is_logged_per_character():
     torch.manual_seed(0)
     alone = _fit(PerCharacter(), "auto", steps=1).callback_metrics
@@ -247,6 +253,7 @@ class KernelDropout(pl.LightningModule):
         return LSTMBlocks(embedding="encoder", lstm="rnn", decoder="decoder", carry_state=True)
 
 
+@pytest.mark.processes
 def test_the_kernels_own_dropout_runs_at_rate_0_on_both_sides_and_the_note_says_so():
     torch.manual_seed(0)
     model = KernelDropout()
@@ -290,6 +297,7 @@ def _demo(declaration: str | None) -> pl.LightningModule:
     return model
 
 
+@pytest.mark.processes
 def test_lightnings_demo_trains_declared_and_its_suggested_declaration_is_stopped():
     from lightning_mp_lstm.models.declaration import missing_declaration_message
 
@@ -317,6 +325,7 @@ class TwoNames(KernelDropout):
         return loss
 
 
+@pytest.mark.processes
 def test_a_quantity_the_module_logs_under_two_names_is_logged_under_both():
     torch.manual_seed(0)
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, **QUIET)

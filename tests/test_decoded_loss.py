@@ -144,6 +144,7 @@ def _adaptive_worker(rank: int, world_size: int, kwargs: dict) -> dict:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 def test_an_adaptive_softmax_pipelined_equals_one_process():
     reference = _fit_adaptive("auto", 1)  # the module's own training_step on one process
     results = run_ranks(_adaptive_worker, 2, dict(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2),

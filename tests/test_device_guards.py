@@ -66,6 +66,7 @@ def test_the_stage_cache_keeps_the_most_recently_used_shapes_only(monkeypatch):
 
 
 # ----- teardown keeps devices --------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_teardown_leaves_the_model_and_optimizer_state_on_their_device(monkeypatch):
     """Lightning's ``Strategy.teardown`` calls ``_optimizers_to_device(..., cpu)`` and ``lightning_module.cpu()``:
     on CUDA a full copy to the host after every Trainer call and back at the next, and tensor-parallel DTensors with

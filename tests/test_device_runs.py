@@ -46,6 +46,9 @@ from lightning_mp_lstm.strategy import pipeline_setup
 from lightning_mp_lstm.timeline import PipelineTimeline
 from tests.helpers import FixedBatches, GlobalBatches, run_ranks, tiny_model
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 LIBRARY = Path(lightning_mp_lstm.__file__).resolve().parent
 TORCH = Path(torch.__file__).resolve().parent
 TIMEOUT = 60.0  # the strategy's process-group timeout, seconds

@@ -62,6 +62,7 @@ def _diverging_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_a_loss_above_the_bound_stops_every_rank_at_the_same_step():
     results = run_ranks(_diverging_worker, 2, timeout=100)
     assert results[0] == results[1], results

@@ -29,6 +29,7 @@ def test_single_process_example_trains():
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_pipeline_two_ranks_example_runs_as_a_script():
     result = run_command([sys.executable, str(EXAMPLES / "pipeline_two_ranks.py")], timeout=180)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -38,6 +39,7 @@ def test_pipeline_two_ranks_example_runs_as_a_script():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_auto_layout_example_ranks_once_and_trains_the_pick():
     result = run_command([sys.executable, str(EXAMPLES / "auto_layout.py")], timeout=280)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -50,6 +52,7 @@ def test_auto_layout_example_ranks_once_and_trains_the_pick():
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_word_language_model_example_trains_as_a_pipeline_and_loads_into_the_plain_module():
     result = run_command([sys.executable, str(EXAMPLES / "word_language_model.py")], timeout=180)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -58,6 +61,7 @@ def test_word_language_model_example_trains_as_a_pipeline_and_loads_into_the_pla
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_awd_lstm_example_trains_through_the_strategy():
     loss = load_example("awd_lstm").main()
     assert math.isfinite(loss) and 0 < loss < 10
@@ -79,6 +83,7 @@ def test_compose_config_example_resolves_dp2_pp2(capsys):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.processes
 def test_sphinx_site_builds_without_warnings(tmp_path):
     # No importorskip: the README's install names the docs extra, so a missing package is a failure, not a skip.
     out = tmp_path / "html"

@@ -351,6 +351,7 @@ def main_job(tmp_path_factory) -> tuple[str, Path]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_the_main_job_runs_quietly_and_prints_what_the_readme_promises(main_job):
     """``python train.py``: the autopilot's ranking and the layout it chose, the whole model's summary, the closing
     table; no warning the project causes, and each message once, from rank 0."""
@@ -376,6 +377,7 @@ def test_the_main_job_runs_quietly_and_prints_what_the_readme_promises(main_job)
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("key", RUN_IN_THE_SUITE)
+@pytest.mark.processes
 def test_the_first_ten_minutes_commands_run_as_written(key, main_job, tmp_path):
     """Exit status 0 and the promised output; the generate command samples from the main job's checkpoint."""
     command = next(c for c in COMMANDS if _key(c) == key)
@@ -413,5 +415,6 @@ def _every_command() -> list[Command]:
 @pytest.mark.all_commands
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("command", _every_command(), ids=str)
+@pytest.mark.processes
 def test_every_documented_command_runs_as_written(command, main_job, tmp_path):
     _run(command, tmp_path, checkpoint=main_job[1] / "checkpoints" / "last.ckpt", timeout=880)

@@ -116,6 +116,7 @@ RUNS_4 = [
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_awd_lstm_and_char_rnn_on_two_processes_train_as_their_own_training_step(references):
     per_rank = run_ranks(_worker, 2, RUNS_2, timeout=280)
     for index, (name, _) in enumerate(RUNS_2):
@@ -126,6 +127,7 @@ def test_awd_lstm_and_char_rnn_on_two_processes_train_as_their_own_training_step
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_awd_lstm_on_pp4_and_dp2_pp2_trains_as_its_own_training_step(references):
     per_rank = run_ranks(_worker, 4, RUNS_4, timeout=280)
     for index, (name, _) in enumerate(RUNS_4):
@@ -179,6 +181,7 @@ def _random_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_every_random_part_of_awd_lstm_runs_in_the_pipeline():
     per_rank = run_ranks(_random_worker, 2, timeout=280)
     # verify=True replayed the module's own masks into the pipeline at the first batch and found every loss, metric
@@ -341,6 +344,7 @@ def _rows(table: str) -> list[str]:
     return [line for line in table.splitlines() if line.endswith("DIFFERS")]
 
 
+@pytest.mark.processes
 def test_verify_passes_for_awd_lstm_with_every_random_part_on():
     for variant in ("wrapper", "parametrize"):
         assert _verify(awd(weight_drop=variant, **RATES), TimeFirstStream(VOCAB)) is None
@@ -365,6 +369,7 @@ class LogsMore(load_example("awd_lstm").AwdLSTM):
         return loss
 
 
+@pytest.mark.processes
 def test_verify_names_dropped_locked_and_embedding_dropout():
     table = _verify(BasicAwd(ntoken=VOCAB, ninp=6, nhid=8, **RATES), TimeFirstStream(VOCAB))
     rows = _rows(table)
@@ -377,6 +382,7 @@ def test_verify_names_dropped_locked_and_embedding_dropout():
     assert len(blocks) == 1 and "block encoder: the module's own step draws 2 random tensor(s)" in blocks[0], table
 
 
+@pytest.mark.processes
 def test_verify_names_dropped_ar_tar_and_a_metric_that_vanishes():
     table = _verify(NoPenalty(ntoken=VOCAB, ninp=6, nhid=8), TimeFirstStream(VOCAB))
     rows = _rows(table)
@@ -387,17 +393,20 @@ def test_verify_names_dropped_ar_tar_and_a_metric_that_vanishes():
     assert _rows(table) == [] and "note: metric 'train_ppl', which training_step logs, is not logged" in table
 
 
+@pytest.mark.processes
 def test_verify_names_a_sum_over_time_trained_as_a_token_mean():
     assert _verify(CharRNN(), TimeFirstStream(VOCAB, time_first=False)) is None
     rows = _rows(_verify(CharRNN(reduction="token_mean"), TimeFirstStream(VOCAB, time_first=False)))
     assert any(r.startswith("  step 0 loss") for r in rows) and any("gradients of encoder" in r for r in rows)
 
 
+@pytest.mark.processes
 def test_verify_names_state_carried_without_carry_state():
     rows = _rows(_verify(CarriesWithoutSaying(ntoken=VOCAB, ninp=6, nhid=8), TimeFirstStream(VOCAB)))
     assert rows and all(r.startswith("  step 1") for r in rows), rows  # the first step starts from zeros on both
 
 
+@pytest.mark.processes
 def test_verify_names_a_float64_loss_computed_in_float32(monkeypatch):
     def float32_loss(logits, targets, ignore_index):
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index,
@@ -417,6 +426,7 @@ def test_verify_names_a_float64_loss_computed_in_float32(monkeypatch):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_the_verify_command_runs_on_two_processes_and_fails_on_a_difference(tmp_path):
     example = "docs/examples/awd_lstm.py"
     ok = run_command([sys.executable, "-m", "lightning_mp_lstm.app.verify", f"{example}:AwdLSTM", "--data",
@@ -513,6 +523,7 @@ def _epoch_means_worker(rank: int, world_size: int) -> list[dict[str, float]]:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_a_loss_the_step_logs_as_an_epoch_mean_is_logged_as_one():
     """The pipeline logs the metrics it shares with the module's step with the step's on_step / on_epoch: a monitor
     of the training loss reads the epoch's mean, as in one process (it read the last step's)."""

@@ -78,6 +78,7 @@ def _stopped_rank_worker(rank: int, world_size: int, marker: str) -> dict:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_a_stopped_rank_is_named_by_its_peer(tmp_path):
     results = run_ranks(_stopped_rank_worker, 2, str(tmp_path / "stopped"), timeout=100, allow_missing=True)
     assert results[1] is None  # stopped, then killed

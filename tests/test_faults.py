@@ -47,6 +47,9 @@ from tests.helpers import (
     tiny_model,
 )
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 TIMEOUT = 8.0  # the strategy's process-group timeout in these tests, seconds
 
 

@@ -204,6 +204,7 @@ def test_bad_checkpoints_fail_with_a_clear_message(trained, tmp_path):
         load_for_generation(tmp_path)
 
 
+@pytest.mark.processes
 def test_checkpoints_of_lightning_default_and_mp_lstm_strategies_load_strictly(trained, tmp_path):
     path, model, vocab = trained
     saved = torch.load(path, weights_only=False)
@@ -236,6 +237,7 @@ def test_a_tied_weight_saved_under_its_first_name_loads(trained, tmp_path):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.processes
 def test_a_sharded_pp2_checkpoint_loads_on_one_process_without_a_process_group(trained, tmp_path):
     _, _, vocab = trained
     per_rank = run_ranks(_sharded_worker, 2, str(tmp_path), timeout=120)
@@ -259,6 +261,7 @@ def test_a_sharded_pp2_checkpoint_loads_on_one_process_without_a_process_group(t
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_generate_py_prints_the_samples_and_fails_cleanly_on_bad_input(trained):
     path, model, vocab = trained
     command = [sys.executable, "generate.py", f"ckpt_path={path}", "prompt=w1 zzz", "num_samples=3", "max_tokens=8",

@@ -37,6 +37,7 @@ def test_the_search_config_sets_up_the_optuna_sweeper():
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.processes
 def test_optuna_sweep_returns_the_best_trials_metric(tmp_path):
     """Two tiny one-process trials: each job returns its best checkpoint's val/loss, and the sweeper reports the
     lower one as the best value (printed, and in optimization_results.yaml)."""

@@ -25,6 +25,9 @@ from tests.helpers import (
     run_ranks,
 )
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 EPOCHS, BATCHES, ACCUMULATE = 2, 4, 2
 LR_FIND_LENGTHS, LR_FIND_STEPS = (5, 9, 7, 5) * 4, 16  # the suggestion skips the first 10 and the last
 

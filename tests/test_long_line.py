@@ -39,6 +39,7 @@ sys.exit(status)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_a_100000_token_line_trains_under_auto_buckets_in_bounded_memory(tmp_path: Path):
     """The issue's case, on two processes: the line becomes ~800 pieces of the longest usual bucket, which most
     training batches then hold; every process stays under 2 GB and the run ends within 60 s."""

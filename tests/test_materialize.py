@@ -15,6 +15,9 @@ from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.planning import profile
 from tests.helpers import FixedBatches, assert_ranks_match, parameters_of, quiet_trainer, run_ranks, tiny_model
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 
 class _AtFitStart(pl.Callback):
     """Records this rank's parameters (values and devices) once the strategy set the model up."""

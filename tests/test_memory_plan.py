@@ -77,6 +77,7 @@ print(sum(memory.parameters.values()), after - before)
 """
 
 
+@pytest.mark.processes
 def test_planning_a_model_larger_than_the_machine_allocates_none_of_it():
     """A 950-million-parameter model (3.5 GiB of float32 weights, 14 GiB with Adam) is planned, its activations
     probed block by block, in a process whose peak memory grows by less than 100 MiB."""
@@ -173,6 +174,7 @@ def _counted_worker(rank: int, world_size: int, checkpoint: str) -> list:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_no_rank_ever_allocates_another_rank_s_blocks(tmp_path):
     """Checks, the plan, the summary, training and a sharded checkpoint: rank 0 (embedding, lstm.0) never makes a
     tensor of the decoder's shape, rank 1 (lstm.1-2, decoder) none of the embedding's or the first layer's."""

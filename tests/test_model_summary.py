@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.pytorch.callbacks import ModelSummary
@@ -76,6 +77,7 @@ def _fit_pp2(rank: int, world_size: int) -> dict:
             "rows": len(whole._get_summary_data()[0][1])}
 
 
+@pytest.mark.processes
 def test_under_pp2_rank_0_summarizes_the_whole_model_as_one_process_does():
     one_process = CountingSummary(_model(), max_depth=1)
     expected = (one_process.total_parameters, one_process.trainable_parameters, one_process.total_flops,

@@ -168,6 +168,7 @@ RUNS_4 = [(name, kwargs) for name in MODELS for kwargs in (
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_own_models_on_two_processes_equal_one_plain_process(references, tmp_path):
     per_rank = run_ranks(_worker, 2, RUNS_2, str(tmp_path), timeout=280)
     for index, (name, _) in enumerate(RUNS_2):
@@ -183,6 +184,7 @@ def test_own_models_on_two_processes_equal_one_plain_process(references, tmp_pat
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_own_models_on_four_processes_equal_one_plain_process(references, tmp_path):
     per_rank = run_ranks(_worker, 4, RUNS_4, str(tmp_path), timeout=280)
     for index, (name, _) in enumerate(RUNS_4):

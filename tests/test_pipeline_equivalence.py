@@ -15,6 +15,9 @@ from lightning_mp_lstm.models.lstm_language_model import token_loss_sum
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from tests.helpers import cpu_engine, lm_batches, rel_error, run_ranks, tiny_model
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 
 def _compare_worker(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

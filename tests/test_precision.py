@@ -55,6 +55,7 @@ def _worker(rank: int, world_size: int, precision: str) -> dict:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_bf16_mixed_runs_the_lstms_in_float32_and_stays_close_to_float32():
     per_rank = run_ranks(_worker, 2, "bf16-mixed", timeout=180)
     seen = {**per_rank[0]["dtypes"], **per_rank[1]["dtypes"]}

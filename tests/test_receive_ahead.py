@@ -44,6 +44,7 @@ def _posted_worker(rank: int, world_size: int, schedule: str) -> dict:
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+@pytest.mark.processes
 def test_each_receive_is_posted_when_the_schedule_asks_for_the_one_before_it(schedule):
     first, last = run_ranks(_posted_worker, 2, schedule, timeout=90)
     assert first["ahead"] and last["ahead"]

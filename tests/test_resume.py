@@ -30,6 +30,9 @@ from tests.helpers import (
     tiny_model,
 )
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 EPOCHS = 2
 MID_EPOCH_STEP = 5  # not a multiple of the epoch's batches
 DATA = {"source": "synthetic", "batch_size": 8, "num_auto_buckets": 3, "shuffle": True, "seed": 5,

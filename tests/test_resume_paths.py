@@ -171,6 +171,7 @@ def test_one_process_resumes_exactly(path: str, optimizer: str, resume: str, tmp
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", SAVE_PATHS)
+@pytest.mark.processes
 def test_mp_lstm_on_one_process_resumes_exactly(path: str, tmp_path: Path) -> None:
     result = _save_and_resume(path, "mp_lstm", 1, "adam", "steps", str(tmp_path))
     _assert_resumes_exactly([result], _reference("adam"), path)
@@ -186,6 +187,7 @@ def _rank_worker(rank: int, world_size: int, layout: str, directory: str) -> dic
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("layout", "world_size"), [("pp2", 2), ("dp2_pp2", 4)])
+@pytest.mark.processes
 def test_multi_process_layouts_resume_exactly(layout: str, world_size: int, tmp_path: Path) -> None:
     per_rank = run_ranks(_rank_worker, world_size, layout, str(tmp_path), timeout=540)
     for i, path in enumerate(MULTI_PROCESS_PATHS):

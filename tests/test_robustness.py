@@ -68,6 +68,7 @@ def _crash_worker(rank: int, world_size: int, flags: str) -> dict:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.processes
 def test_a_crashed_rank_ends_every_rank_within_the_timeout(tmp_path):
     # Spawned, not forked: a spawned rank ends through interpreter shutdown as a launched rank does, a forked one at
     # once, and the order in which the survivors see rank 0 (the store's host) go is what this test is about.
@@ -131,6 +132,7 @@ def _ended_pid() -> int:
     return child.pid
 
 
+@pytest.mark.processes
 def test_a_rank_that_only_lost_a_peer_is_not_named_as_the_cause(monkeypatch):
     """Rank 2 ended after naming its own loss; rank 1 was killed. Rank 0 names rank 1 only, and rank 3 (which
     reported its own error) with its message."""

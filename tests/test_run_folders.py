@@ -22,6 +22,7 @@ QUICK = [*TINY_RUN, *SMALL_SYNTHETIC, "trainer.max_steps=2", "evaluate=false", "
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 def test_runs_started_together_write_separate_folders(tmp_path):
     pattern = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())["hydra"]["run"]["dir"]
     assert pattern.startswith("outputs/")

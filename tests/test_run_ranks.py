@@ -26,6 +26,7 @@ def _sleep(rank: int, world_size: int, directory: str) -> None:
 
 
 @pytest.mark.parametrize("start_method", testing.START_METHODS)
+@pytest.mark.processes
 def test_every_rank_sees_the_launch_variables_and_the_callers_environment_at_the_call(start_method, monkeypatch):
     if start_method == "forkserver":
         run_ranks(_environment, 1, "UNSET")  # the server is running (and has its environment) from here on
@@ -37,6 +38,7 @@ def test_every_rank_sees_the_launch_variables_and_the_callers_environment_at_the
     assert len({r["pid"] for r in results} | {os.getpid()}) == 3
 
 
+@pytest.mark.processes
 def test_ranks_past_the_deadline_are_killed(tmp_path):
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="2 ranks of _sleep did not finish in 3 s"):
@@ -60,3 +62,25 @@ def _running(pid: int) -> bool:
 def test_an_unknown_start_method_is_refused_before_any_process_starts():
     with pytest.raises(ValueError, match=r"start_method='fork'; allowed: spawn, forkserver"):
         testing.run_ranks(_environment, 2, "X", start_method="fork")
+
+
+def test_the_fast_tier_refuses_a_process_start_from_an_unmarked_test(request, monkeypatch):
+    """``-m "not processes"`` starts no process: an unmarked test (this one) that starts one fails, naming itself,
+    whether through ``subprocess`` or ``multiprocessing``."""
+    import multiprocessing
+    import multiprocessing.process
+    import subprocess
+
+    from tests import conftest
+
+    # Put back whatever is there now (the guard is installed only in the fast tier) once the test ends.
+    monkeypatch.setattr(subprocess.Popen, "__init__", subprocess.Popen.__init__)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", multiprocessing.process.BaseProcess.start)
+    monkeypatch.setitem(conftest._RUNNING, "item", request.node)
+    conftest._refuse_unmarked_process_starts()
+    unmarked = r"test_the_fast_tier_refuses_a_process_start_from_an_unmarked_test starts {} but is not marked " \
+               r"@pytest.mark.processes"
+    with pytest.raises(RuntimeError, match=unmarked.format(r"a process \(\['true'\]\)")):
+        subprocess.run(["true"])
+    with pytest.raises(RuntimeError, match=unmarked.format("a multiprocessing process")):
+        multiprocessing.get_context("spawn").Process(target=print).start()

@@ -16,6 +16,9 @@ from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.strategy.batches import batch_fingerprint
 from tests.helpers import VOCAB, quiet_trainer, run_ranks, tiny_model
 
+#: Every test here starts processes: the fast tier (-m "not processes") leaves the module out.
+pytestmark = pytest.mark.processes
+
 
 class RandomlyRelabelled(Dataset):
     """Token rows, each relabelled by a random shift of its ids (inputs and targets alike) when it is loaded.

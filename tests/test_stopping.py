@@ -124,6 +124,7 @@ def _reference(tmp_path: Path) -> dict:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("layout", "world_size"), [("pp2", 2), ("dp2_pp2", 4)])
+@pytest.mark.processes
 def test_a_signal_stops_every_rank_at_the_step_boundary_and_the_checkpoint_resumes_exactly(layout, world_size,
                                                                                            tmp_path):
     per_rank = run_ranks(_stop_worker, world_size, layout, str(tmp_path), timeout=360)
@@ -162,6 +163,7 @@ def test_stop_signals_are_checked_by_name():
 
 
 # ----- SLURM ------------------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_the_slurm_requeue_signal_saves_the_hpc_checkpoint_and_requeues(tmp_path, monkeypatch):
     """Under ``SLURMEnvironment(auto_requeue=True)`` the requeue signal (SIGUSR1) ends the run at the step boundary
     with Lightning's HPC checkpoint, from which a requeued job resumes by itself, and Lightning's requeue command."""
@@ -246,6 +248,7 @@ def _end_of(proc: Any) -> float:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("name", "to"), [("SIGINT", "every process"), ("SIGTERM", "the launching process"),
                                           ("SIGHUP", "every process")])
+@pytest.mark.processes
 def test_train_py_stops_saves_and_tells_how_to_resume(name, to, tmp_path, compose_train):
     """Ctrl-C in a terminal (SIGINT to every process of the job), ``kill`` / ``docker stop`` (SIGTERM to the process
     that launched the ranks) or a closed terminal or dropped ssh connection (SIGHUP to every process): every process
@@ -282,6 +285,7 @@ def test_train_py_stops_saves_and_tells_how_to_resume(name, to, tmp_path, compos
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_ctrl_c_twice_ends_every_process_at_once_saying_what_was_kept(tmp_path):
     """A second Ctrl-C, however soon after the first, ends every process at once with status 130 and a short message
     that says which checkpoint is kept and how to resume from it: no traceback (there were 118 lines of them)."""

@@ -71,6 +71,7 @@ def _bad_setup_worker(rank: int, world_size: int) -> list[str]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_bad_configurations_fail_in_setup_on_every_rank():
     results = run_ranks(_bad_setup_worker, 2, timeout=100)
     assert results[0] == results[1]
@@ -114,6 +115,7 @@ def _refused_callback_worker(rank: int, world_size: int, root: str, kind: str) -
     ("finetuning", "mp_lstm does not run Lightning's BackboneFinetuning: it freezes and unfreezes the module's layers "
                    "by attribute, which a process that does not hold them lacks"),
 ])
+@pytest.mark.processes
 def test_callbacks_the_pipeline_cannot_run_are_refused_on_every_rank_before_training(tmp_path, kind, start):
     """Lightning lets a strategy that is not ``is_distributed`` run the batch-size finder (under the pipeline it
     failed after its first trial: each rank names its restoring checkpoint apart); it runs SWA and EMA on a copy of
@@ -139,6 +141,7 @@ def _throughput_worker(rank: int, world_size: int) -> tuple[list[str], int]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_the_throughput_monitor_runs_with_a_warning_that_its_numbers_count_every_stage():
     """Lightning's ``ThroughputMonitor`` multiplies a process's samples by the world size, as if every process were a
     data-parallel replica; under pp2 both processes share each batch, so its numbers are twice the run's."""
@@ -177,6 +180,7 @@ def _manual_optimization_worker(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_manual_optimization_is_refused_on_every_rank_before_training():
     """Its optimizer steps in its own training_step, which the pipeline does not run: the run ended with no update
     and no error ("no error, 0 steps" on both ranks)."""
@@ -209,6 +213,7 @@ def _groups_worker(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_optimizer_groups_from_a_block_another_process_holds_get_a_message_that_says_what_to_do():
     """Before, rank 1 raised a bare "'NoneType' object has no attribute 'parameters'"."""
     first, second = run_ranks(_groups_worker, 2, timeout=100)

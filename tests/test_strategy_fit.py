@@ -74,24 +74,28 @@ def references() -> dict[str, dict]:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.processes
 def test_fit_pp2_equals_single_process(references, optimizer):
     results = run_ranks(_fit_worker, 2, dict(schedule="1F1B", n_microbatches=2), optimizer, timeout=180)
     _compare(results, references[optimizer])
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_fit_dp2_pp2_equals_single_process(references):
     kwargs = dict(data_parallel_size=2, schedule="GPipe", n_microbatches=2)
     _compare(run_ranks(_fit_worker, 4, kwargs, "adam", timeout=280), references["adam"])
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_fit_pp2_v2_interleaved_equals_single_process(references):
     kwargs = dict(stages_per_rank=2, schedule="Interleaved1F1B", n_microbatches=4)
     _compare(run_ranks(_fit_worker, 2, kwargs, "sgd", timeout=280), references["sgd"])
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_fit_balanced_partition_and_auto_microbatches_equal_single_process(references):
     """Profiling on rank 0 (time costs, microbatch sizes) changes the split, never the numbers."""
     kwargs = dict(partition="balanced", balance_by="time", n_microbatches="auto", schedule="1F1B")
@@ -125,6 +129,7 @@ def test_references_see_every_batch_once_per_step(references):
     assert references["adam"]["steps"] == STEPS and moved > 1e-3
 
 
+@pytest.mark.processes
 def test_the_steps_leave_what_setup_built_out_of_the_collectors_passes():
     """A full pass of Python's collector over everything imported and built took about 200 ms on the 2-core box: the
     main job's step 26 took 242 ms where its neighbours took 19. The steps run with those objects frozen out of the

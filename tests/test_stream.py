@@ -86,6 +86,7 @@ def test_the_carried_state_changes_the_losses(reference):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.processes
 def test_stream_mode_with_carried_state_matches_one_process(layout, reference):
     processes, kwargs = LAYOUTS[layout]
     results = run_ranks(_worker, processes, kwargs, timeout=280)
@@ -135,6 +136,7 @@ def _resume_worker(rank: int, world_size: int, checkpoint: str) -> dict:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_a_mid_epoch_checkpoint_continues_with_the_next_window_on_another_layout(tmp_path: Path):
     warnings.filterwarnings("ignore")
     data, tokens = _data(), FirstTokens()

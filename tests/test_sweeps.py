@@ -74,12 +74,14 @@ def _run_sweep(tmp_path: Path, layouts: str, world_sizes: list[int], timeout: fl
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.processes
 def test_multirun_over_two_world_sizes(tmp_path):
     """`-m layout=pp2,pp4`: the second job used to find the first job's 2-process group (mesh size error)."""
     _run_sweep(tmp_path, "pp2,pp4", [2, 4])
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.processes
 def test_multirun_single_then_pipeline(tmp_path):
     """`-m layout=single,pp2`: the spawned rank used to re-run the sweep, training job #0 on its own."""
     _run_sweep(tmp_path, "single,pp2", [1, 2])
@@ -140,6 +142,7 @@ def test_release_on_a_process_that_launched_nothing_only_destroys_the_group(clea
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.processes
 def test_release_kills_children_that_outlive_the_wait_without_lightnings_observer_killing_us(clean_launch_env):
     launcher = JobLauncher(LightningEnvironment(), num_processes=2, num_nodes=1, release_timeout=0.5)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
@@ -190,6 +193,7 @@ for hidden in (8, 12):  # two jobs of one script, each on two processes
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("release", [False, True])
+@pytest.mark.processes
 def test_a_script_with_two_jobs_never_pairs_a_rank_with_another_job(tmp_path, release):
     """Lightning's rank processes run the whole script: without shutdown() between the jobs they follow it job by
     job; with it, the second job's processes start the script again, and would train its first job's model beside

@@ -95,6 +95,7 @@ def reference() -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.processes
 def test_tensor_parallel_layouts_match_one_process(layout, reference, tmp_path):
     processes, kwargs = LAYOUTS[layout]
     checkpoint = str(tmp_path / "tp.ckpt")
@@ -156,6 +157,7 @@ def _resume(rank: int, world_size: int, kwargs: dict, checkpoint: str) -> dict:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_checkpoints_round_trip_across_tensor_parallel_degrees(tmp_path):
     """A tp2 checkpoint resumes on one process and on pp2; a one-process checkpoint resumes on tp2 and on
     pp2 x tp2 (shards cut from the whole tensors, Adam's moments included): all continue like one process."""
@@ -181,6 +183,7 @@ def _train_and_save_sharded(rank: int, world_size: int, kwargs: dict, checkpoint
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_a_sharded_tensor_parallel_checkpoint_resumes_on_another_layout(tmp_path):
     """Every rank of pp2 x tp2 writes its own shards; pp2 (no tensor parallelism) resumes from them exactly."""
     one_ckpt, sharded = str(tmp_path / "one.ckpt"), str(tmp_path / "sharded.ckpt")

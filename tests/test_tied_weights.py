@@ -73,6 +73,7 @@ def test_reference_trains_one_shared_weight(reference):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.processes
 def test_tied_weights_on_any_layout_match_one_process(layout, reference, tmp_path):
     processes, kwargs = LAYOUTS[layout]
     checkpoint = str(tmp_path / "tied.ckpt")
@@ -105,6 +106,7 @@ def _resume_worker(rank: int, world_size: int, checkpoint: str) -> dict:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_one_process_checkpoint_resumes_on_pp2_with_the_copy_of_the_shared_state(tmp_path):
     """Adam's state of the shared weight, saved once by one process, reaches both copies on pp2."""
     warnings.filterwarnings("ignore")

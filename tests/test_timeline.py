@@ -37,6 +37,7 @@ def pp2(tmp_path_factory) -> tuple[list[dict], Path]:
 
 
 @pytest.mark.timeout(100)
+@pytest.mark.processes
 def test_without_a_directory_or_logger_the_files_go_to_the_root_dir_and_every_rank_ends(tmp_path):
     # Lightning's log_dir is a collective: asked on rank 0 alone at the end of training, it hung every rank.
     per_rank = run_ranks(_worker, 2, str(tmp_path), {}, timeout=80)
@@ -45,6 +46,7 @@ def test_without_a_directory_or_logger_the_files_go_to_the_root_dir_and_every_ra
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_every_microbatch_of_every_stage_is_recorded(pp2):
     results, _ = pp2
     assert results[0]["records"] == results[1]["records"]  # every rank gathered the same spans
@@ -74,6 +76,7 @@ def test_every_microbatch_of_every_stage_is_recorded(pp2):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_metrics_are_logged_next_to_the_predicted_bubble(pp2):
     metrics = pp2[0][0]["metrics"]
     assert metrics["timeline/bubble_predicted"] == pytest.approx(1 / 3)  # 1F1B, 2 ranks, 2 microbatches
@@ -89,6 +92,7 @@ def test_metrics_are_logged_next_to_the_predicted_bubble(pp2):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_the_chrome_trace_parses_with_positive_spans_and_paired_flows(pp2):
     results, directory = pp2
     trace = json.loads(Path(results[0]["paths"]["trace"]).read_text())
@@ -104,6 +108,7 @@ def test_the_chrome_trace_parses_with_positive_spans_and_paired_flows(pp2):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_the_picture_has_one_row_per_stage(pp2, tmp_path):
     results, _ = pp2
     png = Path(results[0]["paths"]["png"])

@@ -256,6 +256,7 @@ def _open_in_a_process(cache: str, train: str, start, results) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.processes
 def test_two_processes_opening_a_new_corpus_build_it_once(wiki, tmp_path, monkeypatch):
     real = token_store._tokenize
     built = tmp_path / "built"

@@ -92,6 +92,7 @@ def _worker(rank: int, world_size: int, checkpoint: str) -> dict:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 def test_tp2_splits_a_padded_vocabulary_matches_one_process_and_its_checkpoint_loads_into_one_process(tmp_path):
     """37 words cannot be split in two; padded to 40 they are, and tp2 trains exactly as one process does (Adam,
     clipping), never predicts a padding id, leaves the padding's parameters untouched, and writes a checkpoint that

@@ -189,6 +189,7 @@ def _check(per_rank: list[list[dict]], rows: int = 4) -> None:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_one_process_and_the_state_gradient_that_makes_it_exact():
     configs = [_wavefront(pipeline_parallel_size=1, stages_per_rank=2, n_microbatches=1, time_chunks=3),
                _wavefront(pipeline_parallel_size=1, n_microbatches=2, time_chunks=6)]  # 6 > 5: one step per chunk
@@ -211,6 +212,7 @@ def test_one_process_and_the_state_gradient_that_makes_it_exact():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_two_processes_match_one_process():
     configs = [_wavefront(pipeline_parallel_size=2, time_chunks=2),
                _wavefront(pipeline_parallel_size=2, time_chunks=3, n_microbatches=2, rows=5),  # rows x chunks, ragged
@@ -220,6 +222,7 @@ def test_two_processes_match_one_process():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_four_processes_match_one_process():
     configs = [_wavefront(pipeline_parallel_size=4, time_chunks=3),
                _wavefront(data_parallel_size=2, pipeline_parallel_size=2, n_microbatches=2, time_chunks=2)]
@@ -261,6 +264,7 @@ def tied_reference() -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", list(TIED_LAYOUTS))
+@pytest.mark.processes
 def test_tied_weights_on_bucketed_batches_match_one_process(layout, tied_reference):
     processes, kwargs = TIED_LAYOUTS[layout]
     results = run_ranks(_tied_worker, processes, kwargs, timeout=280)
@@ -305,6 +309,7 @@ def test_the_carried_state_changes_the_stream_run(stream_reference):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", list(STREAM_LAYOUTS))
+@pytest.mark.processes
 def test_stream_mode_with_carried_state_matches_one_process(layout, stream_reference):
     processes, kwargs = STREAM_LAYOUTS[layout]
     results = run_ranks(_stream_worker, processes, kwargs, timeout=280)
