@@ -42,10 +42,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.overhead import Setup, bare_loop, batches, model_of, start_rank  # noqa: E402
+from benchmarks.overhead import Setup, bare_loop, batches, model_of, optimizer_of, start_rank  # noqa: E402
 from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 from lightning_mp_lstm.models.lstm_language_model import token_loss_sum  # noqa: E402
-from lightning_mp_lstm.models.optimizer_kernels import kernel_options  # noqa: E402
 
 __all__ = ["BARE_SETUP", "bare_floor", "main", "measure", "ran_layout", "single_loop", "summarize"]
 
@@ -131,8 +130,7 @@ def single_loop(steps: int, setup: Setup) -> dict[str, list[float]]:
     torch.set_num_threads(os.cpu_count() or 1)
     model = model_of(setup)
     parameters = list(model.parameters())
-    optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[setup.optimizer](
-        parameters, lr=setup.lr, **kernel_options(parameters))
+    optimizer = optimizer_of(setup, parameters)
     divisor = float(setup.rows * setup.length)
     starts, in_schedule, norms = [], [], []
     for inputs, targets in batches(steps + 1, setup):

@@ -98,6 +98,12 @@ def model_of(setup: Setup) -> LSTMLanguageModel:
                              optimizer=setup.optimizer, lr=setup.lr)
 
 
+def optimizer_of(setup: Setup, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """``setup``'s optimizer over ``parameters``, with the kernel the model itself picks."""
+    return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[setup.optimizer](
+        parameters, lr=setup.lr, **kernel_options(parameters))
+
+
 def batches(n: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` global batches of random tokens (no padding), the same on every rank."""
     g = torch.Generator().manual_seed(0)
@@ -158,8 +164,7 @@ def bare_loop(rank: int, steps: int, setup: Setup) -> dict[str, list[float]]:
     schedule = get_schedule_class(setup.schedule)(
         stage, setup.microbatches, loss_fn=lambda out, y: token_loss_sum(out, y) / divisor, scale_grads=False)
     parameters = list(model.parameters())
-    optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[setup.optimizer](
-        parameters, lr=setup.lr, **kernel_options(parameters))  # the model's own kernel
+    optimizer = optimizer_of(setup, parameters)
     starts, in_schedule, norms = [], [], []
     for inputs, targets in batches(steps + 1, setup):
         starts.append(time.perf_counter())

@@ -451,3 +451,17 @@ def test_a_run_of_some_sections_keeps_the_others_and_the_page_says_where_each_ca
     text = (tmp_path / "results.md").read_text()
     assert f"`{full['command']}`" in text and f"come from a later run instead: `{later['command']}`" in text
     assert run.merged({**full, "mode": "full"}, later) is later  # a quick run never mixes into full results
+
+
+def test_the_main_jobs_floor_is_measured_in_the_layout_the_job_ran():
+    """``python train.py`` runs what ``layout=auto`` picks (one process on 2 cores): the floor beside it is then one
+    process's plain loop, read from the layout the run printed; a layout without a bare loop gets none."""
+    line = ("mp_lstm: ParallelLayout(data_parallel_size={}, pipeline_parallel_size={}, stages_per_rank=1, "
+            "schedule='1F1B', n_microbatches=2, tensor_parallel_size=1, time_chunks=1)\n")
+    assert main_job.ran_layout(["noise\n", line.format(1, 1)]) == "single"
+    assert main_job.ran_layout([line.format(1, 2)]) == "pp2" and main_job.ran_layout([line.format(2, 2)]) == "dp2_pp2"
+    assert main_job.ran_layout([line.format(2, 1)]) is None and main_job.ran_layout(["no layout\n"]) is None
+    setup = main_job.Setup(vocab_size=50, embedding_dim=8, hidden_size=8, num_layers=2, rows=8, length=6,
+                           optimizer="adam", lr=0.005, clip=0.25)
+    floor = main_job.bare_floor(2, 4, setup, layout="single")
+    assert floor["layout"] == "single" and floor["median_step_s"] > 0 and 0.0 < floor["median_outside_schedule"] < 1

@@ -88,8 +88,20 @@ def _process_counts(cfg: DictConfig, cores: int) -> list[int]:
     if devices not in (None, "auto"):
         return [int(devices)]
     most = cfg.layout.get("processes", "auto")
-    most = cores if most in (None, "auto") else int(most)
+    return _up_to(cores if most in (None, "auto") else int(most))
+
+
+def _up_to(most: int) -> list[int]:
+    """The process counts ranked for at most ``most`` processes: every power of two from 2 (one process is always
+    ranked too)."""
     return [n for n in (2, 4, 8, 16, 32, 64) if n <= most] or [1]
+
+
+def _says_its_batch(datamodule: Any) -> bool:
+    """Whether ``datamodule`` gives what the step times are predicted for: its batch size (``batch_size`` or
+    ``max_tokens``) and ``mean_padded_length``."""
+    return bool(getattr(datamodule, "mean_padded_length", None)) and bool(
+        getattr(datamodule, "batch_size", None) or getattr(datamodule, "max_tokens", None))
 
 
 def rank_run(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -> tuple[list[RankedLayout], str]:
@@ -139,8 +151,7 @@ def choose_layout(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -
         print(f"mp_lstm: layout=auto times layouts on CPUs only; on {device.type} it runs one pipeline over the "
               "devices (choose another with layout=dp2, pp2, ...)")
         return None
-    if not getattr(datamodule, "mean_padded_length", None) or not (getattr(datamodule, "batch_size", None)
-                                                                   or getattr(datamodule, "max_tokens", None)):
+    if not _says_its_batch(datamodule):
         print(f"mp_lstm: layout=auto runs one pipeline without ranking layouts: the data module "
               f"({type(datamodule).__name__}) does not say its batch size (batch_size or max_tokens) and "
               "mean_padded_length, which the step times are predicted for")
@@ -195,13 +206,11 @@ def auto_strategy(model: Any, datamodule: Any, processes: int | str = "auto",
         if getattr(datamodule, "mean_padded_length", None) is None:
             datamodule.prepare_data()
             datamodule.setup("fit")
-        if not getattr(datamodule, "mean_padded_length", None) or not (getattr(datamodule, "batch_size", None)
-                                                                       or getattr(datamodule, "max_tokens", None)):
+        if not _says_its_batch(datamodule):
             raise ValueError(f"auto_strategy needs a data module that says its batch size (batch_size or max_tokens) "
                              f"and mean_padded_length, which the step times are predicted for; "
                              f"{type(datamodule).__name__} does not")
-        most = cpu_cores() if processes == "auto" else int(processes)
-        counts = [n for n in (2, 4, 8, 16, 32, 64) if n <= most] or [1]
+        counts = _up_to(cpu_cores() if processes == "auto" else int(processes))
         ranked, table = rank_layouts_for(MPLSTMStrategy(**options), model, datamodule, counts)
         print(table)
         best = choose(ranked)
