@@ -161,6 +161,7 @@ def advice_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any
     import torch
 
     from lightning_mp_lstm import LSTMLanguageModel
+    from lightning_mp_lstm.app.autopilot import candidate_threads
     from lightning_mp_lstm.planning.advice import advise, calibrate
 
     data = _datamodule(job["data"])
@@ -169,7 +170,8 @@ def advice_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any
     length = max(1, round(data.mean_padded_length))
     cpu = torch.device("cpu")
     cores = job["cores"]
-    calibration = calibrate(model, job["rows"], length, cpu, threads=(cores,), processes=(job["devices"],))
+    calibration = calibrate(model, job["rows"], length, cpu, threads=candidate_threads(cores, [job["devices"]]),
+                            processes=(job["devices"],))
     candidates = advise(model, job["devices"], job["rows"], length, cpu, calibration, schedule="1F1B", cores=cores,
                         max_microbatches=job["max_microbatches"], time_chunks=())  # no wavefront row to compare with
     return {"calibration": asdict(calibration), "candidates": [asdict(c) for c in candidates], "length": length}

@@ -322,6 +322,29 @@ def assert_same_training(per_rank: list[Mapping[str, Any]], reference: Mapping[s
                 assert error < tol, f"rank {rank} step {step} {name}: relative error {error:.2e}"
 
 
+def _split_worker(rank: int, world_size: int, fit: Any, strategy_kwargs: dict, args: tuple, kwargs: dict) -> dict:
+    from lightning_mp_lstm import MPLSTMStrategy
+
+    return fit(MPLSTMStrategy(report_after_steps=None, timeout=60, **strategy_kwargs), world_size, *args, **kwargs)
+
+
+def assert_split_equals_one_process(fit: Any, processes: int, strategy_kwargs: Mapping[str, Any],
+                                    reference: Mapping[str, Any], steps: int, *args: Any, timeout: float = 280,
+                                    **kwargs: Any) -> list[dict]:
+    """"A layout equals one process", the one way the tests say it: ``fit(MPLSTMStrategy(**strategy_kwargs),
+    processes, *args, **kwargs)`` on ``processes`` ranks trained what ``reference`` (the same ``fit`` with
+    ``"auto"`` on one process: the module's own ``training_step``) trained: every rank's parameters, the loss curve
+    and every gradient of every step, to 1e-5 relative.
+
+    ``fit`` must be a module-level function (it travels to the ranks by name) returning ``params``, ``losses`` and
+    ``grads`` (:class:`TrainLosses`, :class:`Gradients`); the ranks' results are returned for further checks.
+    """
+    results = run_ranks(_split_worker, processes, fit, dict(strategy_kwargs), args, kwargs, timeout=timeout)
+    assert_ranks_match([r["params"] for r in results], reference["params"])
+    assert_same_training(results, reference, steps)
+    return results
+
+
 def assert_same_predictions(got: list[dict], expected: list[dict]) -> None:
     """Predict-step outputs equal: as many batches, every row of every batch, log-probabilities and
     ``next_token`` and the mask."""

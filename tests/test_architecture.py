@@ -1,9 +1,11 @@
 """The package's architecture holds (issue #31): a folder per layer, imports that only point down (``lint-imports``
-with the contracts of ``pyproject.toml``), no circle, no module over 450 lines, and the README's layout table lists
-every folder."""
+with the contracts of ``pyproject.toml``), no circle, no module over 450 lines but the strategy's one class (issue
+#46), the private names the launcher builds on still there, and the README's layout table lists every folder."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import re
 import shutil
@@ -64,10 +66,40 @@ def test_every_folder_stands_on_one_layer_and_holds_only_modules():
     assert "\n".join(f'    "{" | ".join(layer)}",' for layer in LAYERS) in pyproject
 
 
-def test_no_module_is_longer_than_450_lines():
+#: The one module allowed past 450 lines: ``MPLSTMStrategy``, the one class that holds every hook Lightning calls (each
+#: a call into its collaborators), rather than mixins in other files that a reader would have to assemble.
+STRATEGY_MODULE, STRATEGY_LINES = "lightning_mp_lstm/strategy/strategy.py", 560
+
+
+def test_no_module_is_longer_than_450_lines_but_the_strategy_s_one_class():
     lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    assert {name: n for name, n in lengths.items() if n > 450} == {}
+    assert {name: n for name, n in lengths.items() if n > 450 and name != STRATEGY_MODULE} == {}
+    assert lengths[STRATEGY_MODULE] <= STRATEGY_LINES
     assert len(lengths) > 80  # every module was read
+
+
+def test_the_private_lightning_and_hydra_names_the_launcher_builds_on_are_still_there():
+    """The launcher's one shim (``launcher.PRIVATE_API``): a Lightning or Hydra that renames one of them fails here."""
+    from lightning_mp_lstm.strategy.launcher import PRIVATE_API
+
+    missing = []
+    for module_name, names in PRIVATE_API.items():
+        module = importlib.import_module(module_name)
+        for name, attributes in names.items():
+            thing = getattr(module, name, None)
+            if thing is None:
+                missing.append(f"{module_name}.{name}")
+                continue
+            source = inspect.getsource(thing) if attributes else ""
+            missing += [f"{module_name}.{name}.{a}" for a in attributes
+                        if not hasattr(thing, a) and f"self.{a} =" not in source]
+    assert missing == []
+    assert len(PRIVATE_API) == 3
+
+
+def test_the_strategy_is_one_class_of_the_project_s_own():
+    own = [c.__name__ for c in lightning_mp_lstm.MPLSTMStrategy.__mro__ if c.__module__.startswith("lightning_mp_lstm")]
+    assert own == ["MPLSTMStrategy"]
 
 
 def test_the_readme_lists_every_folder_on_a_line_of_its_own():

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,13 +193,34 @@ def test_a_trial_runs_the_strategy_on_a_near_zero_model_and_reports_its_step():
 
 
 def test_a_data_module_that_does_not_say_its_batch_shape_keeps_the_layout(compose_train, capsys):
-    from types import SimpleNamespace
 
     cfg = compose_train()
     strategy = build_strategy(cfg)
     model = build_model(cfg, strategy, 37)
     assert app_autopilot.choose_layout(cfg, strategy, model, SimpleNamespace(batch_size=32)) is None
     assert "the data module (SimpleNamespace) does not say its batch size" in capsys.readouterr().out
+
+
+def test_the_calibration_measures_every_thread_count_a_candidate_runs_on(block_times, monkeypatch):
+    """On 16 cores, 4 processes run 4 threads each: measured only at 1 and 16 threads, their speed-up was taken as
+    one thread's, and every 4-process candidate was predicted 1.3-1.7x too slow (a lent machine, 2026-11-28)."""
+    assert app_autopilot.candidate_threads(16, [1, 2, 4]) == [4, 8, 16]
+    assert app_autopilot.candidate_threads(2, [1, 2]) == [1, 2]
+    assert app_autopilot.candidate_threads(3, [2]) == [1, 3]
+    asked = {}
+
+    def calibrate(model, rows, length, device, threads=(), processes=()):
+        asked.update(threads=list(threads), processes=list(processes))
+        return Calibration(tuple((t, float(t)) for t in {1, *threads}), float("inf"))
+
+    monkeypatch.setattr(app_autopilot, "calibrate", calibrate)
+    monkeypatch.setattr(app_autopilot, "step_costs", lambda counts: {})
+    monkeypatch.setattr(app_autopilot, "cpu_cores", lambda: 16)
+    datamodule = SimpleNamespace(mean_padded_length=10, batch_size=32, bucket_lengths=[10])
+    strategy = SimpleNamespace(memory_budget=lambda device, processes: (None, "no budget"))
+    ranked, table = app_autopilot.rank_layouts_for(strategy, tiny_model(), datamodule, [2, 4])
+    assert asked == {"threads": [4, 8, 16], "processes": [2, 4]}
+    assert "dp4" in table and "on 16 cores" in table
 
 
 @pytest.mark.processes

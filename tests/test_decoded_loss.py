@@ -24,14 +24,12 @@ from tests.helpers import (
     FixedBatches,
     Gradients,
     TrainLosses,
-    assert_ranks_match,
     assert_same_predictions,
-    assert_same_training,
+    assert_split_equals_one_process,
     lm_batches,
     parameters_of,
     quiet_trainer,
     rel_error,
-    run_ranks,
     tiny_model,
 )
 
@@ -139,18 +137,13 @@ def _fit_adaptive(strategy, devices: int) -> dict:
             "predict": trainer.predict(model, datamodule=FixedBatches())}
 
 
-def _adaptive_worker(rank: int, world_size: int, kwargs: dict) -> dict:
-    return _fit_adaptive(MPLSTMStrategy(report_after_steps=None, timeout=60, **kwargs), world_size)
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.processes
 def test_an_adaptive_softmax_pipelined_equals_one_process():
     reference = _fit_adaptive("auto", 1)  # the module's own training_step on one process
-    results = run_ranks(_adaptive_worker, 2, dict(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2),
-                        timeout=200)
-    assert_ranks_match([r["params"] for r in results], reference["params"])
-    assert_same_training(results, reference, STEPS)
+    results = assert_split_equals_one_process(
+        _fit_adaptive, 2, dict(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2), reference, STEPS,
+        timeout=200)
     for r in results:
         assert r["validated"] == pytest.approx(reference["validated"], rel=1e-5)
         assert_same_predictions(r["predict"], reference["predict"])

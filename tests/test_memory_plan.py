@@ -117,7 +117,7 @@ def test_the_one_file_checkpoint_is_chosen_only_where_rank_zero_can_gather_the_m
     model = _big_model()
     blocks = pipeline_model(model)
     layout = ParallelLayout(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2)
-    options = MPLSTMStrategy(pipeline_parallel_size=2)._options
+    options = MPLSTMStrategy(pipeline_parallel_size=2)._run.options
     cpu = torch.device("cpu")
 
     def chosen(gib: float, fmt: str = "auto") -> tuple:

@@ -123,7 +123,7 @@ def test_strategy_name_and_a_second_import_are_harmless():
         module.MPLSTMStrategy = lightning_mp_lstm.MPLSTMStrategy = MPLSTMStrategy
         MPLSTMStrategy.register_strategies(StrategyRegistry)
     assert type(build().strategy) is MPLSTMStrategy
-    assert isinstance(MPLSTMStrategy(timeout=3)._process.timeout, timedelta)
+    assert isinstance(MPLSTMStrategy(timeout=3)._run.process.timeout, timedelta)
 
 
 def _ended_pid() -> int:

@@ -21,8 +21,7 @@ from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.data import LMDataModule
 from lightning_mp_lstm.data.stream import TokenStream
 from tests.helpers import (
-    assert_ranks_match,
-    assert_same_training,
+    assert_split_equals_one_process,
     fit_and_record,
     quiet_trainer,
     run_ranks,
@@ -67,10 +66,6 @@ def _fit(strategy: Any, devices: int, carry_state: bool = True) -> dict:
     return fit_and_record(strategy, devices, _model(data.vocab_size, carry_state), data, STEPS, validations=2)
 
 
-def _worker(rank: int, world_size: int, kwargs: dict) -> dict:
-    return _fit(MPLSTMStrategy(report_after_steps=None, timeout=60, **kwargs), world_size)
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return _fit("auto", 1)
@@ -89,9 +84,7 @@ def test_the_carried_state_changes_the_losses(reference):
 @pytest.mark.processes
 def test_stream_mode_with_carried_state_matches_one_process(layout, reference):
     processes, kwargs = LAYOUTS[layout]
-    results = run_ranks(_worker, processes, kwargs, timeout=280)
-    assert_ranks_match([r["params"] for r in results], reference["params"])
-    assert_same_training(results, reference, STEPS)
+    results = assert_split_equals_one_process(_fit, processes, kwargs, reference, STEPS)
     for r in results:
         assert r["val"] == pytest.approx(reference["val"], rel=1e-5)
 

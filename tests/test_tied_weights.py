@@ -24,7 +24,7 @@ from tests.helpers import (
     Gradients,
     TrainLosses,
     assert_ranks_match,
-    assert_same_training,
+    assert_split_equals_one_process,
     quiet_trainer,
     run_ranks,
     tiny_model,
@@ -54,10 +54,6 @@ def _fit(strategy: Any, devices: int, checkpoint: str | None = None) -> dict:
     return {"params": params, "losses": losses.values, "grads": grads.steps}
 
 
-def _worker(rank: int, world_size: int, kwargs: dict, checkpoint: str | None) -> dict:
-    return _fit(MPLSTMStrategy(report_after_steps=None, timeout=60, **kwargs), world_size, checkpoint)
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return _fit("auto", 1)
@@ -77,12 +73,10 @@ def test_reference_trains_one_shared_weight(reference):
 def test_tied_weights_on_any_layout_match_one_process(layout, reference, tmp_path):
     processes, kwargs = LAYOUTS[layout]
     checkpoint = str(tmp_path / "tied.ckpt")
-    results = run_ranks(_worker, processes, kwargs, checkpoint, timeout=280)
-    assert_ranks_match([r["params"] for r in results], reference["params"])
+    results = assert_split_equals_one_process(_fit, processes, kwargs, reference, STEPS, checkpoint)
     owners = [rank for rank, r in enumerate(results) if "decoder.weight" in r["params"]]
     assert owners and all("embedding.weight" not in results[rank]["params"] for rank in owners), \
         "the layouts under test put embedding and decoder on different processes"
-    assert_same_training(results, reference, STEPS)
     # The checkpoint is one process's: the shared weight under both module names, its optimizer state once.
     saved = read_checkpoint(checkpoint)
     one_process = _model()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import LayoutError, MPLSTMStrategy
+from lightning_mp_lstm import LayoutError
 from lightning_mp_lstm.data import LMDataModule
 from lightning_mp_lstm.models.language_model_blocks import prediction_from_logits
 from lightning_mp_lstm.models.lstm_language_model import token_loss_sum
@@ -34,8 +34,7 @@ from tests.helpers import (
     FixedBatches,
     Gradients,
     TrainLosses,
-    assert_ranks_match,
-    assert_same_training,
+    assert_split_equals_one_process,
     cpu_engine,
     fit_and_record,
     lm_batches,
@@ -253,10 +252,6 @@ def _fit_tied(strategy: Any, devices: int) -> dict:
     return {"params": params, "losses": losses.values, "grads": grads.steps}
 
 
-def _tied_worker(rank: int, world_size: int, kwargs: dict) -> dict:
-    return _fit_tied(MPLSTMStrategy(report_after_steps=None, timeout=60, **kwargs), world_size)
-
-
 @pytest.fixture(scope="module")
 def tied_reference() -> dict:
     return _fit_tied("auto", 1)
@@ -267,10 +262,8 @@ def tied_reference() -> dict:
 @pytest.mark.processes
 def test_tied_weights_on_bucketed_batches_match_one_process(layout, tied_reference):
     processes, kwargs = TIED_LAYOUTS[layout]
-    results = run_ranks(_tied_worker, processes, kwargs, timeout=280)
+    assert_split_equals_one_process(_fit_tied, processes, kwargs, tied_reference, STEPS)
     assert tied_reference["losses"][-1][1] < tied_reference["losses"][0][1]  # a moving run is compared
-    assert_ranks_match([r["params"] for r in results], tied_reference["params"])
-    assert_same_training(results, tied_reference, STEPS)
 
 
 STREAM = {"source": "synthetic", "mode": "stream", "batch_size": 8, "bptt": 7, "eval_batch_size": 4, "seed": 2,
@@ -287,10 +280,6 @@ def _fit_stream(strategy: Any, devices: int, carry_state: bool = True) -> dict:
     data.setup("fit")
     model = tiny_model(num_layers=3, vocab=data.vocab_size, optimizer="adam", lr=0.02, carry_state=carry_state)
     return fit_and_record(strategy, devices, model, data, STEPS)
-
-
-def _stream_worker(rank: int, world_size: int, kwargs: dict) -> dict:
-    return _fit_stream(MPLSTMStrategy(report_after_steps=None, timeout=60, **kwargs), world_size)
 
 
 @pytest.fixture(scope="module")
@@ -312,8 +301,6 @@ def test_the_carried_state_changes_the_stream_run(stream_reference):
 @pytest.mark.processes
 def test_stream_mode_with_carried_state_matches_one_process(layout, stream_reference):
     processes, kwargs = STREAM_LAYOUTS[layout]
-    results = run_ranks(_stream_worker, processes, kwargs, timeout=280)
-    assert_ranks_match([r["params"] for r in results], stream_reference["params"])
-    assert_same_training(results, stream_reference, STEPS)
+    results = assert_split_equals_one_process(_fit_stream, processes, kwargs, stream_reference, STEPS)
     for r in results:
         assert r["val"] == pytest.approx(stream_reference["val"], rel=1e-5)

@@ -34,8 +34,8 @@ from lightning_mp_lstm.planning.memory import process_floor
 from lightning_mp_lstm.strategy.launcher import CHECKED_BY
 from lightning_mp_lstm.strategy.memory_check import largest_batch, model_memory
 
-__all__ = ["CHOICE", "apply_choice", "auto_strategy", "autopilot_declined", "choose_layout", "cpu_cores",
-           "inherited_choice", "layout_overrides", "rank_layouts_for", "rank_run"]
+__all__ = ["CHOICE", "apply_choice", "auto_strategy", "autopilot_declined", "candidate_threads", "choose_layout",
+           "cpu_cores", "inherited_choice", "layout_overrides", "rank_layouts_for", "rank_run"]
 
 #: The strategy options the autopilot chooses (:func:`auto_strategy` refuses them).
 CHOSEN_OPTIONS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size", "schedule", "n_microbatches",
@@ -79,6 +79,13 @@ def _planning_device(cfg: DictConfig) -> torch.device:
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu") if accelerator in ("cpu", "auto") else torch.device(accelerator)
+
+
+def candidate_threads(cores: int, counts: list[int]) -> list[int]:
+    """The thread counts the candidates' processes run on (``cores`` shared by each count of processes), each of which
+    the calibration must measure: a count it did not measure is taken at the speed of the largest one below it (on 16
+    cores, 4 processes of 4 threads each were predicted at one thread's speed)."""
+    return sorted({cores, *(max(1, cores // count) for count in counts)})
 
 
 def _process_counts(cfg: DictConfig, cores: int) -> list[int]:
@@ -126,7 +133,8 @@ def rank_layouts_for(strategy: Any, model: Any, datamodule: Any, counts: list[in
     rows = datamodule.batch_size or max(1, int(datamodule.max_tokens) // length)
     blocks = pipeline_model(model)
     costs = step_costs(counts)
-    calibration = calibrate(model, rows, length, device, threads=(cores,), processes=[c for c in counts if c > 1])
+    calibration = calibrate(model, rows, length, device, threads=candidate_threads(cores, counts),
+                            processes=[c for c in counts if c > 1])
     calibration = replace(calibration, step_costs=tuple(costs.items()))
     ranked = rank_layouts(
         model, counts, rows, length, device, calibration, memory=model_memory(blocks, model),

@@ -34,8 +34,22 @@ from typing_extensions import override
 
 from lightning_mp_lstm.strategy.pipeline_setup import end_process_groups
 
-__all__ = ["CHECKED_BY", "LAUNCHED_AT", "JobLauncher", "PortInUseError", "count_job_call", "hydra_job_command",
-           "hydra_quote", "job_released", "port_in_use"]
+__all__ = ["CHECKED_BY", "LAUNCHED_AT", "PRIVATE_API", "JobLauncher", "PortInUseError", "count_job_call",
+           "hydra_job_command", "hydra_quote", "job_released", "port_in_use"]
+
+#: The private names of Lightning and Hydra this launcher builds on, as Lightning's own subprocess launcher does (it
+#: parses Hydra's flags with the same ``get_args_parser``): module -> names, and for a class the attributes it relies
+#: on. ``tests/test_architecture.py`` checks each is still there, so a Lightning or Hydra that renames one fails there,
+#: by name, before any launch does.
+PRIVATE_API: dict[str, dict[str, tuple[str, ...]]] = {
+    "lightning.pytorch.strategies.launchers": {
+        "_SubprocessScriptLauncher": ("launch", "_call_children_scripts", "_check_can_spawn_children"),
+    },
+    "lightning.fabric.strategies.launchers.subprocess_script": {
+        "_basic_subprocess_cmd": (), "_ChildProcessObserver": ("_child_processes",),
+    },
+    "hydra._internal.utils": {"get_args_parser": ()},
+}
 
 #: Environment variables a launch sets in the launching process (Lightning's ``_call_children_scripts``, and
 #: ``OMP_NUM_THREADS`` from ``_set_num_threads_if_needed`` when it was unset).

@@ -1,5 +1,6 @@
 """From a module, a layout and the strategy's options to a checked plan and a running engine: the steps of the
-strategy's setup, one function each. The strategy calls them; they know nothing of Lightning's Trainer."""
+strategy's setup, one function each. The strategy and its ``PipelineRun`` call them; they know nothing of Lightning's
+Trainer."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.precision import REFUSED_PRECISIONS
 
 __all__ = ["assemble_engine", "check_automatic_optimization", "check_callbacks", "check_run", "end_process_groups",
-           "make_verifier", "plan_memory_of_run", "plan_run", "replica_rows", "report_not_reproduced",
-           "start_process_groups"]
+           "explain_optimizer_error", "make_verifier", "plan_memory_of_run", "plan_run", "replica_rows",
+           "report_not_reproduced", "start_process_groups"]
 
 DEFAULT_ROWS = 32  # the batch assumed for planning when the data module does not say its own
 DEFAULT_LENGTH = 35
@@ -63,6 +64,21 @@ def check_automatic_optimization(model: Any) -> None:
                      "parameter would ever change). Use automatic optimization (clipping: Trainer(gradient_clip_val="
                      "...); an update every few batches: Trainer(accumulate_grad_batches=...)), or train this module "
                      "on one process")
+
+
+def explain_optimizer_error(error: AttributeError, model_name: str, rank: int) -> AttributeError | None:
+    """``configure_optimizers`` 's ``AttributeError`` again (caused by it), with a message that says how to build
+    parameter groups that work on every process, when it comes from a block another process holds (``None`` there);
+    else ``None``."""
+    if "'NoneType' object has no attribute" not in str(error):
+        return None
+    explained = AttributeError(
+        f"{model_name}.configure_optimizers failed on global rank {rank} ({error}): under mp_lstm it runs on each "
+        "process's part of the module, where the blocks other processes hold are None. Build parameter groups by "
+        "parameter name, e.g. [p for n, p in self.named_parameters() if n.startswith('embedding.')]: a group may be "
+        "empty on a process")
+    explained.__cause__ = error
+    return explained
 
 
 def check_callbacks(callbacks: Iterable[Any], layout: ParallelLayout) -> None:

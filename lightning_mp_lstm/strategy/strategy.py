@@ -2,77 +2,57 @@
 
 Shaped like Lightning's ``ModelParallelStrategy``: Lightning's launchers and cluster environments start the
 processes, the accelerator picks device and backend (gloo on CPU, nccl on CUDA), checkpoint IO and the precision
-are Lightning's. The strategy is plumbing: it asks the module for its declaration
-(:func:`~lightning_mp_lstm.models.binding.pipeline_model`), plans the partition once
-(:func:`~lightning_mp_lstm.planning.plan.make_plan`), and owns the
-:class:`~lightning_mp_lstm.pipeline.engine.PipelineEngine` that runs every training, evaluation and prediction batch;
+are Lightning's. The strategy is plumbing: every Lightning hook is here, each a call into one collaborator. The run's
+state, from the resolved layout to the :class:`~lightning_mp_lstm.pipeline.engine.PipelineEngine`, is one
+:class:`~lightning_mp_lstm.strategy.pipeline_run.PipelineRun` (the steps and the engine's setup), the checkpoint hooks
+call its checkpoint format (:mod:`~lightning_mp_lstm.checkpoint`), and
 :class:`~lightning_mp_lstm.strategy.precision.PipelinePrecision` plugs the gradient reductions and the global-norm clip
-into Lightning's optimizer step. The module never holds the engine. Three families of Lightning hooks live in their own
-modules, each a thin call into one collaborator: the steps (:mod:`~lightning_mp_lstm.strategy.steps`, into the engine),
-the checkpoint hooks (:mod:`~lightning_mp_lstm.checkpoint.hooks`, into the checkpoint format) and the collectives
-(:mod:`~lightning_mp_lstm.strategy.collectives`); the options as the run resolved them (layout, plan, engine, ranks) are
-properties from :mod:`~lightning_mp_lstm.strategy.properties`, and setting up a run is
-:mod:`~lightning_mp_lstm.strategy.pipeline_setup`.
+into Lightning's optimizer step. The module never holds the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mp_lstm import checkpoint as ckpt
 from lightning_mp_lstm.base import collector
 from lightning_mp_lstm.base.allocator import return_freed_memory, steady_threshold
-from lightning_mp_lstm.base.faults import PeerDirectory, result_from
-from lightning_mp_lstm.checkpoint.hooks import CheckpointHooks
-from lightning_mp_lstm.models.binding import pipeline_model
-from lightning_mp_lstm.models.metrics import LanguageModelMetrics
+from lightning_mp_lstm.base.faults import PeerDirectory
+from lightning_mp_lstm.checkpoint.formats import check_one_step
 from lightning_mp_lstm.pipeline.engine import PipelineEngine
 from lightning_mp_lstm.planning import report
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions
-from lightning_mp_lstm.strategy import summary
 from lightning_mp_lstm.strategy.batches import seed_workers_by_replica
-from lightning_mp_lstm.strategy.collectives import StrategyCollectives
+from lightning_mp_lstm.strategy.collectives import barrier, broadcast_object, reduce_tensor
 from lightning_mp_lstm.strategy.launcher import JobLauncher, count_job_call, job_released
 from lightning_mp_lstm.strategy.options import ProcessOptions
-from lightning_mp_lstm.strategy.pipeline_setup import (
-    assemble_engine,
-    check_automatic_optimization,
-    check_callbacks,
-    check_run,
-    make_verifier,
-    plan_memory_of_run,
-    plan_run,
-    report_not_reproduced,
-    start_process_groups,
-)
+from lightning_mp_lstm.strategy.pipeline_run import PipelineRun
+from lightning_mp_lstm.strategy.pipeline_setup import check_callbacks, explain_optimizer_error, start_process_groups
 from lightning_mp_lstm.strategy.precision import PipelinePrecision, set_numerics
-from lightning_mp_lstm.strategy.properties import PipelineProperties
-from lightning_mp_lstm.strategy.steps import PipelineSteps
 from lightning_mp_lstm.strategy.stopping import StopOnSignal, check_stop_signals
 
 __all__ = ["MPLSTMStrategy"]
 
 
-class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, StrategyCollectives, ParallelStrategy):
+class MPLSTMStrategy(ParallelStrategy):
     """Split an LSTM language model into pipeline stages across processes.
 
     ``Trainer(strategy="mp_lstm", devices=4)`` runs a 4-stage pipeline of any LightningModule that declares its
@@ -164,34 +144,18 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
                          checkpoint_io=checkpoint_io if checkpoint_io is not None else ckpt.AtomicCheckpointIO())
-        self._options = PlanOptions(partition="even" if partition is None else partition, balance_by=balance_by,
-                                    stage_speeds=tuple(stage_speeds) if stage_speeds is not None else None,
-                                    n_microbatches=n_microbatches, time_chunks=time_chunks)
-        self._process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
-                                       data_parallel_weights, stages_per_rank, schedule, checkpoint_format,
-                                       timeout, num_threads, numerics, memory_per_process)
+        options = PlanOptions(partition="even" if partition is None else partition, balance_by=balance_by,
+                              stage_speeds=tuple(stage_speeds) if stage_speeds is not None else None,
+                              n_microbatches=n_microbatches, time_chunks=time_chunks)
+        process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
+                                 data_parallel_weights, stages_per_rank, schedule, checkpoint_format, timeout,
+                                 num_threads, numerics, memory_per_process)
+        self._run = PipelineRun(options, process, verify, report_after_steps)
         self._process_group_backend = process_group_backend
         self._stop_signals = tuple(s.name for s in check_stop_signals(stop_signals))
         self.num_nodes = 1
-        self._layout: ParallelLayout | None = None
         self._device_mesh: DeviceMesh | None = None
-        self._plan: PipelinePlan | None = None
-        self._engine: PipelineEngine | None = None
-        self._engine_module: Any = None
-        self._metrics = LanguageModelMetrics()
-        self._measurements: report.Measurements | None = None
-        self._step_clock = report.StepClock(report_after_steps)
         self._peers: PeerDirectory | None = None
-        self._model_names = ckpt.ModelNames()
-        self._checkpoints = ckpt.checkpoint_format("file" if self._process.checkpoint_format == "auto"
-                                                   else self._process.checkpoint_format)
-        self._memory: Any = None  # the run's memory plan (planning.memory.MemoryPlan), when the data gives a batch
-        if verify not in (True, False, "auto"):
-            raise ValueError(f"verify must be True, False or 'auto', got {verify!r}")
-        self._verify = verify
-        self._verifier: Any = None  # a verify.Verifier with verify=True
-        if self._process.fixed_world_size is not None:
-            self._resolve_layout(self._process.fixed_world_size)
 
     # ----- Lightning plumbing ----------------------------------------------------------------------------
     @property
@@ -250,7 +214,7 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         # Lightning calls this when the Trainer is built: fail on a wrong process count before any launch.
         world_size = self.num_nodes * self.num_processes
         if world_size:
-            self._resolve_layout(world_size)
+            self._run.resolve_layout(world_size)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -266,17 +230,17 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
     def setup_environment(self) -> None:
         count_job_call()  # a rank process re-running a script must be on the launching process's call
         super().setup_environment()
-        layout = self._resolve_layout(self.world_size)
+        layout = self._run.resolve_layout(self.world_size)
         # Everything that can be wrong is checked here, on every rank, before the first collective.
         trainer = self.lightning_module.trainer
         check_callbacks(trainer.callbacks, layout)
-        # Memory is planned once the processes can agree (every rank takes global rank 0's plan: _build_engine).
+        # Memory is planned once the processes can agree (every rank takes global rank 0's plan: PipelineRun.build).
         self.check(self.lightning_module, trainer.datamodule, fitting=trainer.state.fn == TrainerFn.FITTING,
                    memory=False)
         if self.root_device.type == "cpu":
-            torch.set_num_threads(self._process.threads(self.num_processes))
+            torch.set_num_threads(self._run.process.threads(self.num_processes))
             return_freed_memory()  # a rank's peak is then what it holds (lightning_mp_lstm.base.allocator)
-        set_numerics(self._process.numerics)
+        set_numerics(self._run.process.numerics)
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -284,7 +248,8 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         assert self.cluster_environment is not None
         if self._device_mesh is None:
             self._device_mesh, self._peers = start_process_groups(
-                self.cluster_environment, self._process_group_backend, self.root_device, layout, self._process.timeout)
+                self.cluster_environment, self._process_group_backend, self.root_device, layout,
+                self._run.process.timeout)
 
     def check(self, model: pl.LightningModule, datamodule: Any = None, fitting: bool = True,
               memory: bool = True) -> None:
@@ -304,16 +269,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
                 model, its optimizer state and the largest training batch's activations within ``memory_per_process``
                 (for the partition that holds the least when the partition is measured later).
         """
-        if fitting:
-            check_automatic_optimization(model)
-        blocks = self._blocks(model)
-        device = self.root_device if self.parallel_devices else None
-        check_run(blocks, type(model).__name__, self.precision_plugin, self.layout, self._options, self._process,
-                  datamodule, planned=self._plan is not None, fitting=fitting, device=device,
-                  local_processes=self.num_processes, module=model if memory else None)
-        if self._engine_module is not model:  # the whole module, before pruning (each warning shows once)
-            report_not_reproduced(model, blocks, warn=self.global_rank == 0,
-                                  split=self.layout.processes_per_replica > 1)
+        self._run.check(model, datamodule, fitting, memory, self.precision_plugin,
+                        self.root_device if self.parallel_devices else None, self.num_processes,
+                        warn=self.global_rank == 0)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -321,15 +279,9 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         self.accelerator.setup(trainer)
         if self._stop_signals and not any(isinstance(c, StopOnSignal) for c in trainer.callbacks):
             trainer.callbacks.append(StopOnSignal(self._stop_signals))
-        module = self.lightning_module
-        if self._engine is None or self._engine_module is not module:
-            if trainer.state.fn == TrainerFn.FITTING:
-                summary.install(trainer, module)  # the whole model's summary, before the engine prunes it
-            self._engine = self._build_engine(module, trainer)
-            self._engine_module = module
-        self.precision_plugin.engine = self._engine
-        # A data module that gives each replica its own share of every batch says so; other batches are global.
-        self._engine.global_batches = not getattr(trainer.datamodule, "shards_data_parallel", False)
+        self.precision_plugin.engine = self._run.build(self.lightning_module, trainer, self.precision_plugin,
+                                                       self.device_mesh, self.global_rank, self.root_device,
+                                                       self.num_processes)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -339,76 +291,218 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.root_device.type == "cpu":  # built: steps reuse what the step before freed, where there is room
-            return_freed_memory(steady_threshold(*(getattr(self._memory, key, None) for key in ("peak", "budget"))))
+            memory = self._run.memory
+            return_freed_memory(steady_threshold(*(getattr(memory, key, None) for key in ("peak", "budget"))))
         collector.leave_out_built_objects()  # no step waits on a pass over them (lightning_mp_lstm.base.collector)
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Seed the loader's workers by data-parallel replica, not by global rank (``seed_everything(workers=True)``):
+        """Seed the loader's workers by data-parallel replica, not by global rank (``seed_workers_by_replica``):
         every process of a replica must load the same batch (:mod:`~lightning_mp_lstm.strategy.batches`)."""
         seed_workers_by_replica(dataloader, self.data_parallel_rank)
         return dataloader
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """Lightning's, on this process's part of the module: an ``AttributeError`` on a block another process holds
-        (``None`` here) gets a message that says how to build parameter groups that work on every process."""
+        """Lightning's, on this process's part of the module (a block another process holds is ``None`` here)."""
         try:
             super().setup_optimizers(trainer)
         except AttributeError as error:
-            if "'NoneType' object has no attribute" not in str(error):
-                raise
-            name = type(self.lightning_module).__name__
-            raise AttributeError(
-                f"{name}.configure_optimizers failed on global rank {self.global_rank} ({error}): under mp_lstm it "
-                "runs on each process's part of the module, where the blocks other processes hold are None. Build "
-                "parameter groups by parameter name, e.g. [p for n, p in self.named_parameters() if "
-                "n.startswith('embedding.')]: a group may be empty on a process") from error
-
-    def _build_engine(self, module: pl.LightningModule, trainer: pl.Trainer) -> PipelineEngine:
-        blocks = pipeline_model(module)
-        self._metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"),
-                                             getattr(blocks, "reduction", "token_mean"))
-        if self._plan is None:
-            self._plan = plan_run(blocks, self.layout, self._options, trainer.datamodule, self.precision_plugin,
-                                  self.root_device)
-            if trainer.state.fn == TrainerFn.FITTING:
-                self._plan_memory(module, blocks, trainer.datamodule)
-                table = f"\n{self._memory.table()}" if self._memory is not None else ""
-                rank_zero_info(f"mp_lstm: {self._plan.layout}\npartition (costs by {self._plan.cost_kind}):\n"
-                               f"{self.report}{table}")
-        if self._model_names.state_keys is None:  # the whole model, before pruning
-            self._model_names = ckpt.ModelNames.of(module)
-        if trainer.state.fn == TrainerFn.FITTING and self._verifier is None:
-            self._verifier = make_verifier(module, blocks, self._verify, self.global_rank == 0, self.layout,
-                                           self._memory)
-        return assemble_engine(module, blocks, self._plan, self.device_mesh, self.global_rank, self.root_device,
-                               dict(self._model_names.aliases))
-
-    def _plan_memory(self, module: pl.LightningModule, blocks: Any, datamodule: Any) -> None:
-        """The plan's memory on every process, global rank 0's decision everywhere (a refusal fails every rank before
-        any block is materialized); ``checkpoint_format="auto"`` becomes one file or sharded here."""
-        self._memory, chosen = result_from(0, lambda: plan_memory_of_run(
-            module, blocks, self.layout, self._options, self._process, datamodule, self.root_device,
-            self.num_processes, self._plan))
-        self._checkpoints = ckpt.checkpoint_format(chosen)
-
-    def memory_budget(self, device: torch.device, processes: int) -> tuple[int | None, str]:
-        """Bytes one process may use when a node runs ``processes`` of them on ``device``, and where that comes
-        from (``memory_per_process``, or the device's memory shared by the processes)."""
-        return self._process.memory_budget(device, processes)
-
-    @property
-    def memory(self) -> Any:
-        """The run's memory plan (:class:`~lightning_mp_lstm.planning.memory.MemoryPlan`: every process's predicted
-        peak by what holds it, and the budget), once fitting has planned it; ``None`` before, or when the data does
-        not give its batch shape."""
-        return self._memory
+            raise explain_optimizer_error(error, type(self.lightning_module).__name__, self.global_rank) or error
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
+    # ----- steps: through the pipeline; the module's own *_step methods are not called ------------------------
+    @override
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the batch forward and backward through the pipeline (the gradients wait in the precision plugin for
+        Lightning's ``backward``); log and return its loss."""
+        return self._run.train(self.lightning_module, batch, batch_idx, self.precision_plugin)
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        return self._run.evaluate(self.lightning_module, batch, batch_idx, "val",
+                                  self.precision_plugin.val_step_context())
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        return self._run.evaluate(self.lightning_module, batch, batch_idx, "test",
+                                  self.precision_plugin.test_step_context())
+
+    @override
+    def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """The model's predictions of the batch (for a language model: per-token target log-probabilities,
+        next-token ids and the target mask), identical on every rank of a replica and row for row the batch Lightning
+        gave this process (:meth:`~lightning_mp_lstm.pipeline.engine.PipelineEngine.predict`)."""
+        with self.precision_plugin.predict_step_context():
+            return self.engine.predict(batch)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._run.start_batch(self.lightning_module, batch, batch_idx, self.precision_plugin, self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        """Time every stage at the shape of the batch the step clock kept (a collective, off the training path) and
+        report on rank 0."""
+        self._run.end_training(self.precision_plugin, self.root_device)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.engine.reset_state("eval")  # every evaluation starts the stream again
+
+    on_test_start = on_predict_start = on_validation_start
+
+    # ----- checkpoints: the run's format (one file, or sharded) --------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """One file: the whole model's state dict on global rank 0 (empty elsewhere), gathered from all stages.
+        Sharded: this process's own tensors (nothing is gathered)."""
+        return self._run.checkpoints.model_state(self.lightning_module, self._run.model_names)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Name-keyed optimizer state: of every stage, merged on global rank 0 (one file), or this process's."""
+        return self._run.checkpoints.optimizer_state(self.lightning_module, optimizer, self._run.model_names)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """One file written atomically on global rank 0 (:class:`~lightning_mp_lstm.checkpoint.AtomicCheckpointIO`),
+        or a directory every rank writes its own tensors to; a failed write fails every rank, and nothing is written
+        when the ranks are at different steps (:func:`~lightning_mp_lstm.checkpoint.formats.check_one_step`)."""
+        check_one_step(checkpoint, filepath)
+        self._run.checkpoints.save(checkpoint, filepath, self.checkpoint_io, self._run.model_names, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint of either format on every rank; a truncated or foreign file gets a message naming it."""
+        return self._run.checkpoints.load(checkpoint_path, self.lightning_module, self.optimizers, self.checkpoint_io,
+                                          weights_only, self._run.model_names)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self._run.checkpoints.remove(filepath, self.checkpoint_io)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        self._run.checkpoints.load_model_state(self.lightning_module, checkpoint, strict, self._run.model_names)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        self._run.checkpoints.load_optimizer_state(self.lightning_module, self.optimizers, checkpoint,
+                                                   self._run.model_names)
+
+    # ----- collectives (lightning_mp_lstm.strategy.collectives) -------------------------------------------
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return reduce_tensor(tensor, group, reduce_op)
+
+    @override
+    def block_backward_sync(self) -> Any:
+        return nullcontext()  # gradients are reduced by the engine after the pipeline's backward, not by DDP hooks
+
+    # ----- the run as resolved ----------------------------------------------------------------------------
+    def processes_for(self, model: pl.LightningModule) -> int | None:
+        """The number of processes this strategy needs for ``model``, when its options determine it (an explicit
+        ``pipeline_parallel_size``, or a partition with a stage count); else ``None``: the Trainer's devices."""
+        return self._run.processes_for(model)
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The resolved parallel layout (once the world size is known; after planning, with the chosen number of
+        microbatches)."""
+        return self._run.layout
+
+    @property
+    def plan(self) -> PipelinePlan:
+        """The pipeline plan: partition, number of microbatches, costs and predictions (after ``setup``)."""
+        return self._run.plan
+
+    @property
+    def partition(self) -> list[list[str]]:
+        """Block names of every pipeline stage, in stage order (known after ``setup``)."""
+        return [list(stage) for stage in self.plan.partition]
+
+    @property
+    def engine(self) -> PipelineEngine:
+        """The engine that runs this process's stages (after ``setup``)."""
+        return self._run.engine
+
+    @property
+    def report(self) -> str:
+        """The partition report: the plan, and what was measured while it ran."""
+        return self._run.report
+
+    @property
+    def measurements(self) -> report.Measurements | None:
+        """Stage and step times measured after ``report_after_steps`` training batches."""
+        return self._run.measurements
+
+    @property
+    def verification(self) -> Any:
+        """The numerical check of the module's declaration, once it ran (its table: ``verification.table()``)."""
+        return self._run.verification
+
+    @property
+    def memory(self) -> Any:
+        """The run's memory plan (:class:`~lightning_mp_lstm.planning.memory.MemoryPlan`: every process's predicted
+        peak by what holds it, and the budget), once fitting has planned it; ``None`` before, or when the data does
+        not give its batch shape."""
+        return self._run.memory
+
+    def memory_budget(self, device: torch.device, processes: int) -> tuple[int | None, str]:
+        """Bytes one process may use when a node runs ``processes`` of them on ``device``, and where that comes
+        from (``memory_per_process``, or the device's memory shared by the processes)."""
+        return self._run.process.memory_budget(device, processes)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(data_parallel, pipeline_parallel, tensor_parallel)`` device mesh."""
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the process group is initialized")
+        return self._device_mesh
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.layout.coordinates(self.global_rank)[1]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.layout.coordinates(self.global_rank)[0]
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """Which shard of its stage's split weights this process holds."""
+        return self.layout.tensor_rank(self.global_rank)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.layout.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def data_parallel_weights(self) -> list[float] | None:
+        """Relative batch share of each data-parallel replica (``None``: equal shares)."""
+        weights = self._run.process.data_parallel_weights
+        return list(weights) if weights is not None else None
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    # ----- the end ----------------------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that failed when this rank's error is only the symptom of losing it."""
@@ -420,8 +514,8 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         # As Lightning's ModelParallelStrategy: the model and optimizer state stay on their devices (no round trip
         # to the CPU between fit, validate and test; sharded parameters keep their device mesh's device).
         assert self.cluster_environment is not None and self.accelerator is not None
-        if self._engine is not None:
-            self._engine.flush()
+        if self._run.module is not None:
+            self.engine.flush()
         collector.take_back_built_objects()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -447,4 +541,3 @@ class MPLSTMStrategy(PipelineSteps, PipelineProperties, CheckpointHooks, Strateg
         if cls.strategy_name not in strategy_registry or strategy_registry[cls.strategy_name]["strategy"] is not cls:
             strategy_registry.register(cls.strategy_name, cls, override=True,
                                        description="pipeline (x data x tensor) parallel training of LSTM models")
-

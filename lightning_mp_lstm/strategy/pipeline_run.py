@@ -1,0 +1,250 @@
+"""The running pipeline of one ``MPLSTMStrategy``: what the strategy delegates every step and checkpoint hook to.
+
+:class:`PipelineRun` owns the run's state from its options to its engine: the layout the world size resolves, the plan
+(partition, microbatches), the memory plan, the :class:`~lightning_mp_lstm.pipeline.engine.PipelineEngine` and the
+module it split, the metrics, the step clock and what it measured, the numerical check of the declaration and the
+checkpoint format. A step goes strategy hook -> :meth:`PipelineRun.train` -> ``engine.forward_backward`` -> torch's
+schedule. It knows the Trainer only through the module and the arguments the strategy passes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_mp_lstm import checkpoint as ckpt
+from lightning_mp_lstm.base.faults import result_from
+from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.models.contract import PipelineModel
+from lightning_mp_lstm.models.metrics import LanguageModelMetrics
+from lightning_mp_lstm.pipeline.engine import PipelineEngine
+from lightning_mp_lstm.planning import report
+from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions
+from lightning_mp_lstm.strategy import summary
+from lightning_mp_lstm.strategy.batches import check_same_batch
+from lightning_mp_lstm.strategy.options import ProcessOptions
+from lightning_mp_lstm.strategy.pipeline_setup import (
+    assemble_engine,
+    check_automatic_optimization,
+    check_run,
+    make_verifier,
+    plan_memory_of_run,
+    plan_run,
+    report_not_reproduced,
+)
+from lightning_mp_lstm.strategy.precision import PipelinePrecision
+
+__all__ = ["PipelineRun"]
+
+
+class PipelineRun:
+    """The layout, plan, memory plan and engine of one strategy's run, and the steps that drive the engine.
+
+    Args:
+        options: the planning options (partition, balance, microbatches, time chunks).
+        process: the process options (layout sizes, schedule, checkpoint format, budget).
+        verify: the strategy's ``verify`` setting.
+        report_after_steps: training batches timed for the report (``None``: never).
+    """
+
+    def __init__(self, options: PlanOptions, process: ProcessOptions, verify: bool | str,
+                 report_after_steps: int | None) -> None:
+        if verify not in (True, False, "auto"):
+            raise ValueError(f"verify must be True, False or 'auto', got {verify!r}")
+        self.options, self.process, self.verify = options, process, verify
+        self._layout: ParallelLayout | None = None
+        self._plan: PipelinePlan | None = None
+        self._engine: PipelineEngine | None = None
+        self.module: Any = None  # the module the engine split (pruned to this process's blocks)
+        self.rank = 0
+        #: The run's memory plan (planning.memory.MemoryPlan), when fitting planned it and the data gives a batch.
+        self.memory: Any = None
+        self.metrics = LanguageModelMetrics()
+        self.step_clock = report.StepClock(report_after_steps)
+        self.measurements: report.Measurements | None = None
+        self.verifier: Any = None  # a verify.Verifier, while the declaration is still to be checked
+        #: The numerical check of the module's declaration, once it ran (its table: ``verification.table()``).
+        self.verification: Any = None
+        self.model_names = ckpt.ModelNames()
+        self.checkpoints = ckpt.checkpoint_format("file" if process.checkpoint_format == "auto"
+                                                  else process.checkpoint_format)
+        if process.fixed_world_size is not None:
+            self.resolve_layout(process.fixed_world_size)
+
+    # ----- what the run resolved ------------------------------------------------------------------------
+    def resolve_layout(self, world_size: int) -> ParallelLayout:
+        """The layout for ``world_size`` processes, resolved once: later ``validate``/``test``/``predict`` calls
+        keep what ``fit`` resolved (the ``n_microbatches`` the plan chose included)."""
+        if self._plan is not None:
+            return self._plan.layout
+        if self._layout is None or self._layout.world_size != world_size:
+            m, k = self.options.n_microbatches, self.options.time_chunks
+            self._layout = self.process.resolve(world_size, m if isinstance(m, int) else None,
+                                                k if isinstance(k, int) else None)
+        return self._layout
+
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._plan is not None:
+            return self._plan.layout
+        if self._layout is None:
+            raise RuntimeError("the layout is known once the processes are set up")
+        return self._layout
+
+    @property
+    def plan(self) -> PipelinePlan:
+        if self._plan is None:
+            raise RuntimeError("the plan is made in setup()")
+        return self._plan
+
+    @property
+    def engine(self) -> PipelineEngine:
+        if self._engine is None:
+            raise RuntimeError("the pipeline engine is built in setup()")
+        return self._engine
+
+    @property
+    def report(self) -> str:
+        return report.render(self.plan, self.measurements)
+
+    def blocks(self, module: Any) -> PipelineModel:
+        """The pipeline view of ``module``: the engine's, once it split this module (it is pruned then)."""
+        if self._engine is not None and self.module is module:
+            return self._engine.model
+        return pipeline_model(module)
+
+    def processes_for(self, module: Any) -> int | None:
+        """The processes ``module`` needs when the options determine it, else ``None``."""
+        if self.process.fixed_world_size is not None:
+            return self.process.fixed_world_size
+        return self.process.processes_for(self.options.stage_count(self.blocks(module).block_names))
+
+    def check(self, module: Any, datamodule: Any, fitting: bool, memory: bool, precision: Any,
+              device: torch.device | None, local_processes: int, warn: bool) -> None:
+        """See ``MPLSTMStrategy.check``."""
+        if fitting:
+            check_automatic_optimization(module)
+        blocks = self.blocks(module)
+        check_run(blocks, type(module).__name__, precision, self.layout, self.options, self.process, datamodule,
+                  planned=self._plan is not None, fitting=fitting, device=device, local_processes=local_processes,
+                  module=module if memory else None)
+        if self.module is not module:  # the whole module, before pruning (each warning shows once)
+            report_not_reproduced(module, blocks, warn=warn, split=self.layout.processes_per_replica > 1)
+
+    # ----- building -------------------------------------------------------------------------------------
+    def build(self, module: Any, trainer: Any, precision: PipelinePrecision, mesh: DeviceMesh, rank: int,
+              device: torch.device, local_processes: int) -> PipelineEngine:
+        """The engine that runs ``module`` (kept when it split this module already): plan once, check the memory plan
+        on every process (global rank 0's decision, before any block is materialized), make the verifier, prune
+        ``module`` to this process's stages and build the engine that runs them."""
+        if self._engine is None or self.module is not module:
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            if fitting:
+                summary.install(trainer, module)  # the whole model's summary, before the engine prunes it
+            blocks = pipeline_model(module)
+            self.rank = rank
+            self.metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"),
+                                                getattr(blocks, "reduction", "token_mean"))
+            if self._plan is None:
+                self._plan = plan_run(blocks, self.layout, self.options, trainer.datamodule, precision, device)
+                if fitting:
+                    self._plan_memory(module, blocks, trainer.datamodule, device, local_processes)
+            if self.model_names.state_keys is None:  # the whole model, before pruning
+                self.model_names = ckpt.ModelNames.of(module)
+            if fitting and self.verifier is None:
+                self.verifier = make_verifier(module, blocks, self.verify, rank == 0, self.layout, self.memory)
+            self._engine = assemble_engine(module, blocks, self._plan, mesh, rank, device,
+                                           dict(self.model_names.aliases))
+            self.module = module
+        # A data module that gives each replica its own share of every batch says so; other batches are global.
+        self._engine.global_batches = not getattr(trainer.datamodule, "shards_data_parallel", False)
+        return self._engine
+
+    def _plan_memory(self, module: Any, blocks: PipelineModel, datamodule: Any, device: torch.device,
+                     local_processes: int) -> None:
+        """Every rank takes global rank 0's memory plan (a refusal fails every rank at once);
+        ``checkpoint_format="auto"`` becomes one file or sharded here. The plan is printed with it."""
+        plan = self.plan
+        self.memory, chosen = result_from(0, lambda: plan_memory_of_run(
+            module, blocks, self.layout, self.options, self.process, datamodule, device, local_processes, plan))
+        self.checkpoints = ckpt.checkpoint_format(chosen)
+        table = f"\n{self.memory.table()}" if self.memory is not None else ""
+        rank_zero_info(f"mp_lstm: {plan.layout}\npartition (costs by {plan.cost_kind}):\n{self.report}{table}")
+
+    # ----- steps ----------------------------------------------------------------------------------------
+    def train(self, module: Any, batch: Any, batch_idx: int, precision: PipelinePrecision) -> Tensor:
+        """Run the batch forward and backward through the pipeline (the gradients wait in the precision plugin for
+        Lightning's ``backward``); log and return its loss."""
+        trainer = module.trainer
+        with precision.train_step_context():
+            result = self.engine.forward_backward(batch, accumulation=trainer.accumulate_grad_batches)
+        self.engine.check_finite(result.loss, f"global step {trainer.global_step} (epoch {trainer.current_epoch}, "
+                                              f"batch_idx {batch_idx})")
+        self.metrics.log(module, "train", result.loss, result.tokens, _rows(batch), result.weights, result.terms,
+                         rows_are_global=self.engine.global_batches or self.layout.data_parallel_size == 1)
+        return result.loss
+
+    def evaluate(self, module: Any, batch: Any, batch_idx: int, split: str, context: Any) -> Tensor:
+        """The loss of a validation or test batch (no gradients), logged under ``split``."""
+        if batch_idx == 0:
+            self._check_same_batch(batch, f"the first {split} batch")
+        with context:
+            result = self.engine.evaluate(batch)
+        self.metrics.log(module, split, result.loss, result.tokens, _rows(batch), result.weights, result.terms)
+        return result.loss
+
+    def start_batch(self, module: Any, batch: Any, batch_idx: int, precision: PipelinePrecision,
+                    device: torch.device) -> None:
+        """Before a training batch: a new epoch restarts the stream; the declaration is checked on the first batch;
+        the step clock ticks."""
+        if batch_idx == 0:
+            self._check_same_batch(batch, f"the first batch of epoch {module.trainer.current_epoch}")
+            self.engine.reset_state("train")
+            self.metrics.start_epoch()
+        if self.verifier is not None and not self.verifier.done:
+            self._verify(module, batch, precision, device)
+        self.step_clock.tick(batch)
+
+    def end_training(self, precision: PipelinePrecision, device: torch.device) -> None:
+        """Time every stage on its own process at the shape of the batch the step clock kept (a collective), off the
+        training path, and report on rank 0."""
+        batch = self.step_clock.take_batch()
+        if batch is None:
+            return
+        with precision.forward_context():
+            self.measurements = report.measure(self.engine, batch, device, self.step_clock.intervals)
+        rank_zero_info(report.measured_line(self.plan, self.measurements, self.step_clock.after_steps))
+
+    def _check_same_batch(self, batch: Any, where: str) -> None:
+        """Where processes share each replica's batch (pipeline or tensor parallel), check that they loaded one."""
+        if self.layout.processes_per_replica > 1:
+            check_same_batch(batch, self.layout.coordinates(self.rank)[0], where)
+
+    def _verify(self, module: Any, batch: Any, precision: PipelinePrecision, device: torch.device) -> None:
+        from lightning_mp_lstm.strategy.verify import STEPS, VerificationError  # only when verifying
+
+        layout = self.layout
+        title = (f"mp_lstm verify: {type(module).__name__}.training_step on one process against the pipeline "
+                 f"(data x pipeline x tensor = {layout.data_parallel_size} x {layout.pipeline_parallel_size} x "
+                 f"{layout.tensor_parallel_size}, {layout.schedule}, {layout.n_microbatches} microbatches), {STEPS} "
+                 "steps on the first training batch, random draws equal")
+        started = time.perf_counter()
+        comparison = self.verifier.run(self.engine, module, batch, module.trainer, title, device,
+                                       precision.convert_module, precision.inner.train_step_context)
+        self.verification = comparison
+        if not comparison.ok:
+            raise VerificationError(comparison.table())
+        self.metrics.log_as(comparison.names, comparison.flags)
+        rank_zero_info(f"{comparison.table()} ({time.perf_counter() - started:.2f} s)")
+
+
+def _rows(batch: Any) -> int:
+    """Sequences in this replica's batch (for Lightning's logging weights)."""
+    return int(batch[0].shape[0])
