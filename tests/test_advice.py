@@ -76,6 +76,11 @@ def test_processes_that_crowd_each_other_are_predicted_slower_by_the_measured_fa
     after = {c.name: c.predicted_seconds for c in advise(model, 2, 16, 10, CPU, crowded, cores=2)}
     assert after["1 process (2 threads)"] == pytest.approx(before["1 process (2 threads)"])
     assert after["dp2"] == pytest.approx(1.8 * before["dp2"])
+    # A pipeline's ranks crowd each other only in its steady state, (m - 1) x max; its fill and drain run alone.
+    pipelined = {c.name: c for c in advise(model, 2, 16, 10, CPU, crowded, cores=2, time_chunks=())}
+    pp2 = next(c for name, c in pipelined.items() if name.startswith("pp2 balanced"))
+    per_rank = [sum(per_row[b] * (16 // pp2.n_microbatches) for b in stage) for stage in pp2.partition]
+    assert pp2.predicted_seconds == pytest.approx((pp2.n_microbatches - 1) * 1.8 * max(per_rank) + sum(per_rank))
     assert crowded.slowdown(1) == 1.0 and crowded.slowdown(4) == 1.8 and alone.slowdown(2) == 1.0
 
 
