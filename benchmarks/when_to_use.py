@@ -4,7 +4,8 @@ loop and the ``mp_lstm`` strategy, side by side on this machine (docs/when_to_us
 The model and batch are ``benchmarks/overhead.py``'s (4 x LSTM 256, vocabulary 2,000, batch 64 x 35, SGD). Every
 run starts fresh processes, skips ``--warmup`` steps, and reports tokens/s (real tokens of the global batch over the
 median interval between step starts on rank 0) and the parameters each rank holds. Two processes run one thread
-each; the one process runs two (the same cores). Lightning's FSDP strategy refuses a CPU, so the FSDP row is torch's
+each; the one process runs two (the same cores). Each rank's peak resident memory (VmHWM) is the median over the
+rounds. Lightning's FSDP strategy refuses a CPU, so the FSDP row is torch's
 ``fully_shard`` (FSDP2) in a loop of its own, as the bare pipelining row is.
 
 The ``mp_lstm layout=auto`` row runs what the autopilot picks for this model and batch among the layouts of one and
@@ -56,6 +57,8 @@ RUNS = (
                                 "(`benchmarks/overhead.py`)"),
     ("mp_lstm pp2", 2, "`Trainer(strategy=\"mp_lstm\", devices=2)`: the same pipeline, 1F1B, 8 microbatches"),
     ("mp_lstm dp2", 2, "`MPLSTMStrategy(data_parallel_size=2)`: two replicas of the whole model"),
+    ("mp_lstm dp2 sharded", 2, "`MPLSTMStrategy(data_parallel_size=2, shard_replicas=True)`: FSDP2 per block, "
+                               "each replica holds half the parameters, gradients and optimizer state"),
     ("mp_lstm layout=auto", 0, "the autopilot's pick among the layouts of 1 and 2 processes"),
 )
 AUTO = "mp_lstm layout=auto"
@@ -72,6 +75,14 @@ class _StepTimer(pl.Callback):
 def _held(model: torch.nn.Module) -> int:
     """Parameters this process holds (a shard's local part)."""
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def _peak_mib() -> float:
+    """This process's peak resident memory (VmHWM), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _half(rank: int, world_size: int, steps: int, setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -133,7 +144,13 @@ def autopilot_pick(setup: Setup) -> tuple[dict[str, Any], str, int]:
 
 
 def _worker(rank: int, world_size: int, name: str, steps: int,
-            auto: dict[str, Any] | None = None) -> tuple[list[float], int]:
+            auto: dict[str, Any] | None = None) -> tuple[list[float], int, float]:
+    intervals, held = _run(rank, world_size, name, steps, auto)
+    return intervals, held, _peak_mib()
+
+
+def _run(rank: int, world_size: int, name: str, steps: int,
+         auto: dict[str, Any] | None = None) -> tuple[list[float], int]:
     warnings.filterwarnings("ignore")
     setup = Setup()
     torch.set_num_threads(2 if world_size == 1 else 1)
@@ -152,7 +169,7 @@ def _worker(rank: int, world_size: int, name: str, steps: int,
     elif name == "mp_lstm pp2":
         kwargs = {"schedule": setup.schedule, "n_microbatches": setup.microbatches}
     else:
-        kwargs = {"data_parallel_size": 2, "pipeline_parallel_size": 1}
+        kwargs = {"data_parallel_size": 2, "pipeline_parallel_size": 1, "shard_replicas": name.endswith("sharded")}
     strategy = MPLSTMStrategy(report_after_steps=None, num_threads=2 if world_size == 1 else 1, **kwargs)
     return _lightning(rank, world_size, steps, setup, strategy, shard=False)
 
@@ -166,6 +183,7 @@ def measure(steps: int, warmup: int, rounds: int = 3) -> dict[str, Any]:
              f"{what}: {pick}" if name == AUTO else what) for name, processes, what in RUNS]
     medians: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     held: dict[str, list[int]] = {}
+    peaks: dict[str, list[list[float]]] = {name: [] for name, _, _ in runs}
     timed: dict[str, int] = {}
     for round_ in range(rounds):
         for name, processes, _ in runs:
@@ -173,14 +191,16 @@ def measure(steps: int, warmup: int, rounds: int = 3) -> dict[str, Any]:
             intervals = results[0][0][warmup:]
             medians[name].append(statistics.median(intervals))
             timed[name] = len(intervals)
-            held[name] = [h for _, h in results]
+            held[name] = [h for _, h, _ in results]
+            peaks[name].append([peak for _, _, peak in results])
             print(f"round {round_ + 1}, {name}: {tokens / medians[name][-1]:,.0f} tokens/s", flush=True)
     rows = []
     for name, processes, what in runs:
         step_s = statistics.median(medians[name])
         rows.append({"run": name, "what": what, "processes": processes, "step_s": step_s,
                      "step_s_per_round": medians[name], "tokens_per_s": tokens / step_s,
-                     "params_per_rank": held[name], "timed_steps": timed[name], "rounds": rounds})
+                     "params_per_rank": held[name], "timed_steps": timed[name], "rounds": rounds,
+                     "peak_mib_per_rank": [statistics.median(p) for p in zip(*peaks[name])]})
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["ratio"] = row["tokens_per_s"] / base
@@ -199,13 +219,14 @@ def measure(steps: int, warmup: int, rounds: int = 3) -> dict[str, Any]:
 def render(result: dict[str, Any]) -> str:
     """The page's table (Markdown) from a result of :func:`measure`."""
     lines = ["| run | processes x threads | tokens/s | **x one process** | s/step (each round) | parameters per rank "
-             "| what |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| peak MiB per rank | what |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in result["rows"]:
         threads = "1 x 2" if row["processes"] == 1 else f"{row['processes']} x 1"
         held = ", ".join(f"{p:,}" for p in row["params_per_rank"])
         rounds = ", ".join(f"{s:.3f}" for s in row.get("step_s_per_round", []))
+        peaks = ", ".join(f"{p:,.0f}" for p in row.get("peak_mib_per_rank", [])) or "-"
         lines.append(f"| {row['run']} | {threads} | {row['tokens_per_s']:,.0f} | {row['ratio']:.2f} | "
-                     f"{row['step_s']:.3f} ({rounds}) | {held} | {row['what']} |")
+                     f"{row['step_s']:.3f} ({rounds}) | {held} | {peaks} | {row['what']} |")
     m = result["machine"]
     lines.append("")
     lines.append(f"{result['setup']['model']}, global batch {result['setup']['batch']}, SGD; each run's median over "

@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_mp_lstm import LSTMLanguageModel
@@ -231,15 +232,24 @@ class TrainLosses(pl.Callback):
         self.values.append((trainer.global_step, float(trainer.callback_metrics[self.key])))
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``tensor``, gathered whole when it is a sharded ``DTensor`` (a collective over its mesh)."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+
+
 class Gradients(pl.Callback):
     """Every parameter's gradient before each optimizer step (after the strategy's reductions, before clipping),
-    under every name the parameter has on this process (a tied weight under both)."""
+    under every name the parameter has on this process (a tied weight under both); ``gather``: sharded gradients
+    gathered whole (:func:`whole`), else as this process's shard."""
 
-    def __init__(self) -> None:
+    def __init__(self, gather: bool = False) -> None:
         self.steps: list[dict[str, torch.Tensor]] = []
+        self.gather = gather
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.steps.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)
+        copy = whole if self.gather else (lambda t: t.detach().clone())
+        self.steps.append({n: copy(p.grad) for n, p in pl_module.named_parameters(remove_duplicate=False)
                            if p.grad is not None})
 
 

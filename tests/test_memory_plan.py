@@ -63,6 +63,26 @@ def test_the_plan_adds_up_what_each_process_holds():
     assert tied.ranks[1].parameters == 160 * MIB  # the decoder's copy of the embedding's matrix
 
 
+def test_sharded_replicas_hold_their_share_and_what_a_step_gathers_whole():
+    model = ModelMemory(parameters={"embedding": 100 * MIB, "lstm.0": 10 * MIB, "lstm.1": 20 * MIB,
+                                    "decoder": 50 * MIB},
+                        activations={"embedding": 1.0, "lstm.0": 1.0, "lstm.1": 1.0, "decoder": 1.0},
+                        vocabulary=100, slice_tokens=64, optimizer_factor=2.0)
+    batch = BatchShape(rows=16, length=50)
+    one_stage = ParallelLayout(data_parallel_size=4, pipeline_parallel_size=1, schedule="1F1B", n_microbatches=1)
+    blocks = [["embedding", "lstm.0", "lstm.1", "decoder"]]
+    replicated = plan_memory(model, one_stage, blocks, batch, 0).ranks[0]
+    sharded = plan_memory(model, one_stage, blocks, batch, 0, shard=4).ranks[0]
+    # A quarter of everything, plus the largest block being run and the decoder the loss runs, gathered whole.
+    assert sharded.parameters == 180 * MIB // 4 + 100 * MIB + 50 * MIB
+    assert (sharded.gradients, sharded.optimizer) == (180 * MIB // 4, 360 * MIB // 4)
+    assert sharded.total < replicated.total
+    # Several microbatches: torch's stage keeps every block and its gradient whole until the last backward.
+    pipeline = ParallelLayout(data_parallel_size=2, pipeline_parallel_size=2, schedule="GPipe", n_microbatches=2)
+    last = plan_memory(model, pipeline, [["embedding"], ["lstm.0", "lstm.1", "decoder"]], batch, 0, shard=2).ranks[1]
+    assert (last.parameters, last.gradients, last.optimizer) == (120 * MIB, 120 * MIB, 80 * MIB)
+
+
 _PROBE = """
 import resource, torch
 from lightning_mp_lstm import LSTMLanguageModel

@@ -28,6 +28,7 @@ from lightning_mp_lstm.models.contract import PipelineModel
 from lightning_mp_lstm.pipeline import predictions
 from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients, clip_grad_norm_
 from lightning_mp_lstm.pipeline.norm_exchange import NormExchange
+from lightning_mp_lstm.pipeline.sharding import largest_share, reshard
 from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness
 from lightning_mp_lstm.pipeline.tied import TiedWeights
 from lightning_mp_lstm.pipeline.transport import posts_receives_ahead
@@ -136,6 +137,9 @@ class PipelineEngine:
     Attributes:
         global_batches: every replica is given the whole global batch and takes its contiguous share of the rows
             (a user's data); ``False``: each replica is given its own share already (``LMDataModule``).
+        sharded: the stages are sharded over the replicas (:mod:`~lightning_mp_lstm.pipeline.sharding`): FSDP sums
+            their gradients; every replica's batch has the largest share's rows. Torch's stage drops their gradients
+            when it meets a new shape: a caller that accumulates holds them aside (as the precision plugin does).
     """
 
     def __init__(self, model: PipelineModel, stage_modules: dict[int, StageModule], layout: ParallelLayout,
@@ -144,6 +148,7 @@ class PipelineEngine:
         self.model = model
         self.data_parallel_rank = data_parallel_rank
         self.global_batches = True
+        self.sharded = False
         self.stage_modules = stage_modules
         self.layout = layout
         self.groups = groups
@@ -181,7 +186,9 @@ class PipelineEngine:
     def evaluate(self, batch: Any) -> StepResult:
         """The loss of an evaluation batch (forward only)."""
         with torch.no_grad():
-            return self._run(batch, "eval", 1)
+            result = self._run(batch, "eval", 1)
+        reshard(self.stage_modules.values())  # sharded: the roots stay gathered after a forward
+        return result
 
     def predict(self, batch: Any) -> dict[str, torch.Tensor]:
         """The model's predictions of a batch, identical on every rank of a replica's pipeline and row for row the
@@ -194,6 +201,7 @@ class PipelineEngine:
         schedule = self._schedule(inputs.shape, "predict")
         with torch.no_grad():
             logits = schedule.eval(*((inputs,) if self.has_first_stage else ()))
+        reshard(self.stage_modules.values())
         result = self.model.predictions(logits, targets) if self.has_last_stage and logits is not None else None
         result = predictions.from_last_stage(result, self.groups.pipeline, self._last_stage_rank, self.device)
         result = {k: v[:rows] for k, v in result.items()}
@@ -300,7 +308,8 @@ class PipelineEngine:
     def reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
         """Sum gradients over the data-parallel replicas and over the owners of each tied weight (once per
         optimizer step, before clipping: the global norm must see the summed gradient)."""
-        all_reduce_gradients(parameters, self.groups.data_parallel)
+        if not self.sharded:  # sharded: FSDP reduced them after the schedule's last backward
+            all_reduce_gradients(parameters, self.groups.data_parallel)
         self.tied.all_reduce()
 
     def expect_clip(self) -> None:
@@ -314,7 +323,8 @@ class PipelineEngine:
     def clip_grad_norm_(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (every stage and shard; a tied weight counted once)."""
         params = list(parameters)
-        tensor = self.groups.tensor_parallel if _shared(self.groups.tensor_parallel) else None
+        shards = self.groups.data_parallel if self.sharded else self.groups.tensor_parallel
+        tensor = shards if _shared(shards) else None
         return clip_grad_norm_(params, max_norm, self.device, self.groups.pipeline, tensor,
                                counted=self.tied.in_norm(params), pipeline_sum=self._norms.take())
 
@@ -370,8 +380,9 @@ class PipelineEngine:
             inputs = inputs.tensor_split(replicas)[self.data_parallel_rank]
             targets = targets.tensor_split(replicas)[self.data_parallel_rank]
         rows = int(inputs.shape[0])
-        # Ragged batches get rows that add nothing to the loss, so the microbatches split evenly.
-        extra = -rows % self.layout.n_microbatches
+        # Ragged batches (sharded: every replica's, to the largest share) get rows that add nothing to the loss.
+        padded = largest_share(inputs, self.groups.data_parallel, self.device) if self.sharded else rows
+        extra = padded - rows + (-padded % self.layout.n_microbatches)
         if extra:
             inputs, targets = self.model.pad_rows(inputs, targets, extra)
         return inputs, targets, rows, whole

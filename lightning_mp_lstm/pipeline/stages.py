@@ -15,7 +15,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from typing_extensions import override
 
 from lightning_mp_lstm.models.blocks import TimeChunk
@@ -223,6 +225,18 @@ class Stage(PipelineStage):
             return super()._backward_metadata_inference(*args, **kwargs)
         finally:
             self.submod.inferring_shapes = False
+
+    @override
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if not (last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule)):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # Sharded replicas, the last microbatch: FSDP's own hooks reduce-scatter each block's summed gradient as its
+        # backward ends (overlapped with the blocks before it) and free its gathered parameters and whole gradient;
+        # torch's stage would keep them all until after the backward pass (its later reduction then finds none).
+        self.submod.set_is_last_backward(True)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
 
     # The timeline (lightning_mp_lstm.timeline): spans of computation, tags on the point-to-point operations.
     @override

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mp_lstm.base.faults import gather
+from lightning_mp_lstm.pipeline.gradients import local_tensor
 from lightning_mp_lstm.planning.layout import ParallelLayout
 
 __all__ = ["TiedWeights", "shared_parameter_aliases"]
@@ -90,7 +91,7 @@ class TiedWeights:
         for parameter, group in self.shared:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(parameter.grad, group=group)
+            dist.all_reduce(local_tensor(parameter.grad), group=group)  # sharded replicas: equal slices
 
     def in_norm(self, parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """``parameters`` without the copies another owner counts in the global norm (each weight counts once)."""

@@ -156,8 +156,8 @@ def in_flight_microbatches(layout: ParallelLayout, stage: int) -> int:
 
 
 def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[Sequence[str]], batch: BatchShape,
-                floor: int, budget: int | None = None, source: str = "", one_file_checkpoint: bool = False
-                ) -> MemoryPlan:
+                floor: int, budget: int | None = None, source: str = "", one_file_checkpoint: bool = False,
+                shard: int = 1) -> MemoryPlan:
     """The predicted peak of every pipeline rank for ``partition``.
 
     Args:
@@ -168,6 +168,8 @@ def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[
         floor: bytes every process holds before its blocks (:func:`process_floor`).
         budget, source: bytes a process may use and where that comes from (``None``: unknown).
         one_file_checkpoint: checkpoints are one file gathered on global rank 0 (its peak while saving).
+        shard: replicas each stage's parameters, gradients and optimizer state are sharded over (FSDP2,
+            ``shard_replicas``): ``1/shard`` of each is held, plus what a step gathers whole (:func:`_gathered`).
     """
     tp = layout.tensor_parallel_size
     embedding, decoder = model.block_names[0], model.block_names[-1]
@@ -192,11 +194,26 @@ def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[
             loss = int(3 * min(tokens, model.slice_tokens or tokens) * width * 4)
         # A block's gradient is computed whole before it is added to the one its parameters hold.
         temporary = max(model.parameters[b] / (tp if b in split else 1) for b in blocks)
-        ranks.append(RankMemory(pipeline_rank, tuple(blocks), floor, int(parameters), int(parameters),
-                                int(parameters * model.optimizer_factor), int(activations), loss, int(temporary)))
+        held, gathered, gradients = parameters / shard, 0.0, parameters / shard
+        if shard > 1:
+            gathered = _gathered(model, blocks, layout.n_microbatches)
+            gradients += gathered if layout.n_microbatches > 1 else 0
+        ranks.append(RankMemory(pipeline_rank, tuple(blocks), floor, int(held + gathered), int(gradients),
+                                int(held * model.optimizer_factor), int(activations), loss, int(temporary)))
     if one_file_checkpoint:  # global rank 0 receives every other process's tensors; its own are not copied
         ranks[0] = replace(ranks[0], saving=int((whole - ranks[0].parameters) * (1 + model.optimizer_factor)))
     return MemoryPlan(layout, tuple(ranks), budget, source)
+
+
+def _gathered(model: ModelMemory, blocks: Sequence[str], microbatches: int) -> float:
+    """Bytes of sharded parameters a step holds whole: with one microbatch, the largest block being run and the
+    decoder (the loss runs it after the forward); with several, every block from the first backward to the last
+    (torch's stages reduce the gradients, also held whole, once the last microbatch's backward runs)."""
+    if microbatches > 1:
+        return float(sum(model.parameters[b] for b in blocks))
+    decoder = model.block_names[-1]
+    kept = model.parameters[decoder] if decoder in blocks else 0
+    return float(kept + max((model.parameters[b] for b in blocks if b != decoder), default=0))
 
 
 def memory_partition(model: ModelMemory, layout: ParallelLayout, batch: BatchShape) -> list[list[str]]:

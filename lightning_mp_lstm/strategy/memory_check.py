@@ -137,7 +137,8 @@ def _describe(plan: MemoryPlan) -> str:
 def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayout, options: PlanOptions,
                  datamodule: Any, budget: int | None, source: str,
                  budget_for: Callable[[ParallelLayout], tuple[int | None, str]],
-                 partition: list[list[str]] | None = None, one_file_checkpoint: bool = False) -> MemoryPlan | None:
+                 partition: list[list[str]] | None = None, one_file_checkpoint: bool = False,
+                 shard: int = 1) -> MemoryPlan | None:
     """The run's memory plan, refused when a process cannot hold its share.
 
     Args:
@@ -149,6 +150,7 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
         partition: the plan's partition; ``None``: the options' own when it needs no costs, else the partition
             that holds the least memory (measured balancing decides later: the check is then a lower bound).
         one_file_checkpoint: global rank 0 gathers the whole model and its optimizer state to save.
+        shard: replicas each stage's parameters are sharded over (``shard_replicas``; 1: none).
 
     Raises:
         MemoryPlanError: naming the layout, the fullest process, the budget, the table and the layouts that fit.
@@ -161,10 +163,10 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
     partition = partition or options.fixed_partition(names, layout.num_stages) or memory_partition(model, layout,
                                                                                                   batch)
     floor = process_floor()
-    plan = plan_memory(model, layout, partition, batch, floor, budget, source, one_file_checkpoint)
+    plan = plan_memory(model, layout, partition, batch, floor, budget, source, one_file_checkpoint, shard)
     if plan.fits:
         return plan
-    if one_file_checkpoint and plan_memory(model, layout, partition, batch, floor, budget, source).fits:
+    if one_file_checkpoint and plan_memory(model, layout, partition, batch, floor, budget, source, shard=shard).fits:
         raise MemoryPlanError(
             f"saving a one-file checkpoint gathers the whole model and its optimizer state on global rank 0: "
             f"{_describe(plan)}, more than the {budget / GIB:,.2f} GiB a process may use ({source}). Save sharded "

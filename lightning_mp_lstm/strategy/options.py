@@ -42,6 +42,7 @@ class ProcessOptions:
     num_threads: int | str = "auto"
     numerics: str = "default"
     memory_per_process: float | str = "auto"
+    shard_replicas: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size, LayoutError, also=("auto",))
@@ -69,6 +70,21 @@ class ProcessOptions:
             raise ValueError(f"unknown numerics {self.numerics!r}; allowed: {', '.join(NUMERICS)}")
         if self.memory_per_process != "auto":
             check_positive_number("memory_per_process (GiB, or 'auto')", self.memory_per_process)
+        self._check_sharding()
+
+    def _check_sharding(self) -> None:
+        """``shard_replicas`` is a bool, and the options it cannot run with are refused by name."""
+        if not isinstance(self.shard_replicas, bool):
+            raise ValueError(f"shard_replicas must be True or False, got {self.shard_replicas!r}")
+        if not self.shard_replicas:
+            return
+        if self.tensor_parallel_size > 1:
+            raise LayoutError(f"shard_replicas=True with tensor_parallel_size={self.tensor_parallel_size}: sharding "
+                              "the replicas of a vocabulary-split stage is not supported; use tensor_parallel_size=1")
+        if self.data_parallel_weights is not None:
+            raise LayoutError(f"shard_replicas=True with data_parallel_weights={list(self.data_parallel_weights)}: "
+                              "sharded replicas gather their parameters together, so their batches must be equal; "
+                              "use data_parallel_weights=None")
 
     def memory_budget(self, device: Any, local_processes: int) -> tuple[int | None, str]:
         """Bytes one process may use, and where that comes from: ``memory_per_process`` GiB, or (``"auto"``) the

@@ -131,6 +131,9 @@ class PipelineRun:
         """See ``MPLSTMStrategy.check``."""
         if fitting:
             check_automatic_optimization(module)
+        if self.process.shard_replicas and self.verify is True:
+            raise ValueError("verify=True with shard_replicas=True: the check compares whole parameters, which "
+                             "sharded replicas never hold; use verify='auto' or False, or shard_replicas=False")
         blocks = self.blocks(module)
         check_run(blocks, type(module).__name__, precision, self.layout, self.options, self.process, datamodule,
                   planned=self._plan is not None, fitting=fitting, device=device, local_processes=local_processes,
@@ -159,9 +162,10 @@ class PipelineRun:
             if self.model_names.state_keys is None:  # the whole model, before pruning
                 self.model_names = ckpt.ModelNames.of(module)
             if fitting and self.verifier is None:
-                self.verifier = make_verifier(module, blocks, self.verify, rank == 0, self.layout, self.memory)
+                self.verifier = make_verifier(module, blocks, self.verify, rank == 0, self.layout, self.memory,
+                                              sharded=self.process.shard_replicas)
             self._engine = assemble_engine(module, blocks, self._plan, mesh, rank, device,
-                                           dict(self.model_names.aliases))
+                                           dict(self.model_names.aliases), shard=self.process.shard_replicas)
             self.module = module
         # A data module that gives each replica its own share of every batch says so; other batches are global.
         self._engine.global_batches = not getattr(trainer.datamodule, "shards_data_parallel", False)

@@ -32,15 +32,20 @@ from lightning_mp_lstm.models.contract import PipelineModel, check_data
 from lightning_mp_lstm.models.declaration import ModelDeclarationError
 from lightning_mp_lstm.models.module_audit import NotReproducedWarning, audit, parameters_outside, render_findings
 from lightning_mp_lstm.pipeline.engine import PipelineEngine, ProcessGroups, build_engine
+from lightning_mp_lstm.pipeline.sharding import shard_stages
 from lightning_mp_lstm.pipeline.tied import TiedWeights
-from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.planning.memory import MemoryPlanError
 from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
 from lightning_mp_lstm.strategy.memory_check import check_memory
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.precision import REFUSED_PRECISIONS
 
-__all__ = ["assemble_engine", "check_automatic_optimization", "check_callbacks", "check_run", "end_process_groups",
+#: The precisions ``shard_replicas=True`` runs with (a "true" low precision converts the parameters after sharding).
+SHARDED_PRECISIONS = ("32-true", "bf16-mixed")
+
+__all__ = ["SHARDED_PRECISIONS", "assemble_engine", "check_automatic_optimization", "check_callbacks", "check_run",
+           "check_sharding", "end_process_groups",
            "explain_optimizer_error", "make_verifier", "plan_memory_of_run", "plan_run", "replica_rows",
            "report_not_reproduced", "start_process_groups"]
 
@@ -198,6 +203,8 @@ def check_run(
                          "without a loss scaler, on a loss divided by the global token count; use "
                          "precision='32-true', 'bf16-mixed' (LSTMs in float32) or 'bf16-true'")
     options.check(blocks.block_names, layout)
+    if process.shard_replicas:
+        check_sharding(layout, name)
     if layout.tensor_parallel_size > 1:
         if not hasattr(blocks, "parallelize_vocabulary"):
             raise TypeError(f"tensor_parallel_size={layout.tensor_parallel_size} needs a model that splits its "
@@ -221,6 +228,17 @@ def check_run(
         plan_memory_of_run(module, blocks, layout, options, process, datamodule, device, local_processes)
 
 
+def check_sharding(layout: ParallelLayout, precision: str | None) -> None:
+    """Refuse, by name, what ``shard_replicas=True`` cannot run with: its FSDP units run through torch's schedules
+    (one stage per process), and parameters keep the dtype they were sharded in."""
+    if layout.style == "wavefront" or layout.stages_per_rank > 1:
+        raise LayoutError(f"shard_replicas=True runs one stage per process through GPipe or 1F1B; got schedule="
+                          f"{layout.schedule!r} with stages_per_rank={layout.stages_per_rank}")
+    if precision not in SHARDED_PRECISIONS:
+        raise ValueError(f"shard_replicas=True with precision={precision!r}: sharded parameters keep float32; "
+                         f"allowed: {', '.join(SHARDED_PRECISIONS)}")
+
+
 def plan_memory_of_run(module: torch.nn.Module, blocks: PipelineModel, layout: ParallelLayout, options: PlanOptions,
                        process: ProcessOptions, datamodule: Any, device: torch.device, local_processes: int,
                        plan: PipelinePlan | None = None) -> Any:
@@ -235,12 +253,13 @@ def plan_memory_of_run(module: torch.nn.Module, blocks: PipelineModel, layout: P
 
     arguments = (blocks, module, plan.layout if plan else layout, options, datamodule, budget, source, budget_for,
                  [list(stage) for stage in plan.partition] if plan else None)
+    shard = layout.data_parallel_size if process.shard_replicas else 1
     if process.checkpoint_format == "auto":
         try:
-            return check_memory(*arguments, one_file_checkpoint=True), "file"
+            return check_memory(*arguments, one_file_checkpoint=True, shard=shard), "file"
         except MemoryPlanError:
-            return check_memory(*arguments), "sharded"
-    return check_memory(*arguments, one_file_checkpoint=process.checkpoint_format == "file"), \
+            return check_memory(*arguments, shard=shard), "sharded"
+    return check_memory(*arguments, one_file_checkpoint=process.checkpoint_format == "file", shard=shard), \
         process.checkpoint_format
 
 
@@ -257,17 +276,21 @@ def plan_run(
 
 def assemble_engine(
     module: torch.nn.Module, blocks: PipelineModel, plan: PipelinePlan, mesh: DeviceMesh, rank: int,
-    device: torch.device, aliases: dict[str, str],
+    device: torch.device, aliases: dict[str, str], shard: bool = False,
 ) -> PipelineEngine:
     """Prune ``module`` to this process's stages and build the engine that runs them: tensor-parallel vocabulary
     layers on the mesh's ``tensor_parallel`` dimension, and the tied-weight groups of the copies this process
-    holds (after pruning)."""
+    holds (after pruning); with ``shard``, each stage's parameters sharded over its replicas (FSDP2,
+    :mod:`~lightning_mp_lstm.pipeline.sharding`)."""
     layout = plan.layout
     data_parallel_rank, pipeline_rank = layout.coordinates(rank)[:2]
     engine = build_engine(blocks, layout, plan.partition, pipeline_rank, data_parallel_rank, ProcessGroups.of(mesh),
                           device, seed=torch.initial_seed())
     if layout.tensor_parallel_size > 1:
         blocks.parallelize_vocabulary(mesh["tensor_parallel"])
+    if shard and layout.data_parallel_size > 1:
+        shard_stages(engine.stage_modules.values(), mesh["data_parallel"], module)
+        engine.sharded = True
     engine.tied = TiedWeights.build(module, aliases, layout)
     return engine
 
@@ -299,7 +322,7 @@ def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: 
 
 
 def make_verifier(module: torch.nn.Module, blocks: PipelineModel, verify: bool | str, rank_zero: bool,
-                  layout: ParallelLayout, memory: Any = None) -> Any:
+                  layout: ParallelLayout, memory: Any = None, sharded: bool = False) -> Any:
     """The :class:`~lightning_mp_lstm.strategy.verify.Verifier` of ``module`` 's declaration, made before the pipeline
     prunes the module (global rank 0 keeps hold of every block: ``rank_zero``), or ``None`` where it is skipped
     (``verify=False`` too), with one line saying why. ``verify="auto"`` checks a user's module whenever global rank 0
@@ -324,6 +347,8 @@ def make_verifier(module: torch.nn.Module, blocks: PipelineModel, verify: bool |
     skip = None
     if verify is False:
         skip = "verify=False"
+    elif sharded:
+        skip = "shard_replicas=True keeps no replica's parameters whole to compare"
     elif any(p.is_meta for p in module.parameters()):
         skip = (f"{name} was built on the meta device (trainer.init_module(empty_init=True)), and no process holds the "
                 "whole model to run its own training_step; build it normally to check the declaration")

@@ -109,6 +109,9 @@ class MPLSTMStrategy(ParallelStrategy):
         stop_signals: signals that stop every rank at a step boundary (the next but one) with a checkpoint
             (:class:`~lightning_mp_lstm.strategy.stopping.StopOnSignal`, added to the Trainer); ``()``: Lightning's
             handling.
+        shard_replicas: shard each stage's parameters, gradients and optimizer state over its replicas with torch's
+            FSDP2 (ZeRO-3 over ``data_parallel_size``; :mod:`~lightning_mp_lstm.pipeline.sharding`): one stage per
+            process (GPipe or 1F1B), no tensor parallelism, equal replicas, float32 parameters.
     """
 
     strategy_name = "mp_lstm"
@@ -135,6 +138,7 @@ class MPLSTMStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         memory_per_process: float | str = "auto",
         stop_signals: Sequence[str] = ("SIGTERM",),
+        shard_replicas: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -149,7 +153,7 @@ class MPLSTMStrategy(ParallelStrategy):
                               n_microbatches=n_microbatches, time_chunks=time_chunks)
         process = ProcessOptions(pipeline_parallel_size, data_parallel_size, tensor_parallel_size,
                                  data_parallel_weights, stages_per_rank, schedule, checkpoint_format, timeout,
-                                 num_threads, numerics, memory_per_process)
+                                 num_threads, numerics, memory_per_process, shard_replicas)
         self._run = PipelineRun(options, process, verify, report_after_steps)
         self._process_group_backend = process_group_backend
         self._stop_signals = tuple(s.name for s in check_stop_signals(stop_signals))
