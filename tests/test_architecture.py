@@ -78,12 +78,14 @@ def test_no_module_is_longer_than_450_lines_but_the_strategy_s_one_class():
     assert len(lengths) > 80  # every module was read
 
 
-def test_the_private_lightning_and_hydra_names_the_launcher_builds_on_are_still_there():
-    """The launcher's one shim (``launcher.PRIVATE_API``): a Lightning or Hydra that renames one of them fails here."""
+def test_the_private_lightning_hydra_and_torch_names_the_package_builds_on_are_still_there():
+    """The launcher's shim (``launcher.PRIVATE_API``) and the pipeline stage's (``stages.PRIVATE_API``): a Lightning,
+    Hydra or torch that renames one of them fails here."""
+    from lightning_mp_lstm.pipeline import stages
     from lightning_mp_lstm.strategy.launcher import PRIVATE_API
 
     missing = []
-    for module_name, names in PRIVATE_API.items():
+    for module_name, names in [*PRIVATE_API.items(), *stages.PRIVATE_API.items()]:
         module = importlib.import_module(module_name)
         for name, attributes in names.items():
             thing = getattr(module, name, None)
@@ -94,7 +96,7 @@ def test_the_private_lightning_and_hydra_names_the_launcher_builds_on_are_still_
             missing += [f"{module_name}.{name}.{a}" for a in attributes
                         if not hasattr(thing, a) and f"self.{a} =" not in source]
     assert missing == []
-    assert len(PRIVATE_API) == 3
+    assert len(PRIVATE_API) == 3 and len(stages.PRIVATE_API) == 2
 
 
 def test_the_strategy_is_one_class_of_the_project_s_own():

@@ -137,9 +137,8 @@ class PipelineEngine:
     Attributes:
         global_batches: every replica is given the whole global batch and takes its contiguous share of the rows
             (a user's data); ``False``: each replica is given its own share already (``LMDataModule``).
-        sharded: the stages are sharded over the replicas (:mod:`~lightning_mp_lstm.pipeline.sharding`): FSDP sums
-            their gradients; every replica's batch has the largest share's rows. Torch's stage drops their gradients
-            when it meets a new shape: a caller that accumulates holds them aside (as the precision plugin does).
+        sharded: the stages are sharded over the replicas (:mod:`~lightning_mp_lstm.pipeline.sharding`); torch's
+            stage drops their gradients at a new shape: one that accumulates holds them aside (as the strategy does).
     """
 
     def __init__(self, model: PipelineModel, stage_modules: dict[int, StageModule], layout: ParallelLayout,
@@ -187,7 +186,8 @@ class PipelineEngine:
         """The loss of an evaluation batch (forward only)."""
         with torch.no_grad():
             result = self._run(batch, "eval", 1)
-        reshard(self.stage_modules.values())  # sharded: the roots stay gathered after a forward
+        if self.sharded:  # the roots stay gathered after a forward
+            reshard(self.stage_modules.values())
         return result
 
     def predict(self, batch: Any) -> dict[str, torch.Tensor]:
@@ -201,7 +201,8 @@ class PipelineEngine:
         schedule = self._schedule(inputs.shape, "predict")
         with torch.no_grad():
             logits = schedule.eval(*((inputs,) if self.has_first_stage else ()))
-        reshard(self.stage_modules.values())
+        if self.sharded:
+            reshard(self.stage_modules.values())
         result = self.model.predictions(logits, targets) if self.has_last_stage and logits is not None else None
         result = predictions.from_last_stage(result, self.groups.pipeline, self._last_stage_rank, self.device)
         result = {k: v[:rows] for k, v in result.items()}

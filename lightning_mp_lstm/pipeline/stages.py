@@ -23,7 +23,16 @@ from typing_extensions import override
 from lightning_mp_lstm.models.blocks import TimeChunk
 from lightning_mp_lstm.timeline.recorder import RECORDER
 
-__all__ = ["ContiguousGrad", "Stage", "StageModule", "StageRandomness"]
+__all__ = ["PRIVATE_API", "ContiguousGrad", "Stage", "StageModule", "StageRandomness"]
+
+#: torch's private names :class:`Stage` builds on (module -> name -> the methods it overrides), checked by a test that
+#: names any a new torch renamed.
+PRIVATE_API: dict[str, dict[str, tuple[str, ...]]] = {
+    "torch.distributed.pipelining._backward": {"stage_backward": ()},
+    "torch.distributed.pipelining.stage": {"PipelineStage": ("_forward_metadata_inference",
+                                                             "_backward_metadata_inference",
+                                                             "backward_maybe_with_nosync")},
+}
 
 
 class ContiguousGrad(torch.autograd.Function):
