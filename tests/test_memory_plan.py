@@ -225,4 +225,5 @@ def test_steps_keep_freed_memory_in_the_heap_only_where_the_plan_leaves_room(mon
     expected = allocator.STEADY_MMAP_THRESHOLD if room == "roomy" else allocator.MMAP_THRESHOLD
     assert thresholds == [(), (expected,)]  # while building: the default, 1 MiB
     assert allocator.steady_threshold(None, None) == allocator.STEADY_MMAP_THRESHOLD
+    assert allocator.steady_threshold(None, None, sharded=True) == allocator.MMAP_THRESHOLD
     strategy.shutdown()

@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
+from lightning_mp_lstm.base import allocator
 from lightning_mp_lstm.checkpoint import read_checkpoint
 from lightning_mp_lstm.planning.layout import LayoutError
+from lightning_mp_lstm.strategy import strategy as strategy_module
 from tests.helpers import (
     FixedBatches,
     GlobalBatches,
@@ -47,6 +49,17 @@ def _model(tied: bool) -> Any:
 def _fit(strategy: Any, devices: int, tied: bool = False, rows: int = 8, accumulate: int = 1,
          checkpoint: str | None = None, resume: str | None = None, steps: int = STEPS) -> dict:
     warnings.filterwarnings("ignore")
+    thresholds: list[tuple[int, ...]] = []
+    set_threshold = strategy_module.return_freed_memory
+    strategy_module.return_freed_memory = lambda *t: thresholds.append(t) or set_threshold(*t)
+    try:
+        return _fit_recorded(strategy, devices, tied, rows, accumulate, checkpoint, resume, steps, thresholds)
+    finally:
+        strategy_module.return_freed_memory = set_threshold
+
+
+def _fit_recorded(strategy: Any, devices: int, tied: bool, rows: int, accumulate: int, checkpoint: str | None,
+                  resume: str | None, steps: int, thresholds: list) -> dict:
     model, losses, grads = _model(tied), TrainLosses(), Gradients(gather=True)
     trainer = quiet_trainer(strategy, devices, [losses, grads], max_steps=steps, gradient_clip_val=0.05,
                             accumulate_grad_batches=accumulate)
@@ -66,7 +79,7 @@ def _fit(strategy: Any, devices: int, tied: bool = False, rows: int = 8, accumul
         "held": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in held),
         "whole": sum(p.numel() for p in held),
         "state_held": sum(v.to_local().numel() if isinstance(v, DTensor) else v.numel() for v in state),
-        "sharded": all(isinstance(p, DTensor) for p in held),
+        "sharded": all(isinstance(p, DTensor) for p in held), "thresholds": thresholds,
     }
 
 
@@ -85,6 +98,7 @@ def test_sharded_replicas_equal_one_process_hold_half_each_and_resume_exactly(re
         assert r["sharded"]
         assert r["held"] <= r["whole"] // 2 + 8 * 2  # every first dimension halved (odd sizes round up)
         assert r["state_held"] == 2 * r["held"]  # Adam's two moments, sharded like their parameter
+        assert r["thresholds"][-1] == (allocator.MMAP_THRESHOLD,)  # the steps return the gathers' freed memory
     # The checkpoint is one process's (whole tensors), and sharded replicas resume from it as one process does.
     saved = read_checkpoint(checkpoint)
     for name, value in reference["params"].items():

@@ -296,7 +296,8 @@ class MPLSTMStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.root_device.type == "cpu":  # built: steps reuse what the step before freed, where there is room
             memory = self._run.memory
-            return_freed_memory(steady_threshold(*(getattr(memory, key, None) for key in ("peak", "budget"))))
+            return_freed_memory(steady_threshold(*(getattr(memory, key, None) for key in ("peak", "budget")),
+                                                 sharded=self.precision_plugin.engine.sharded))
         collector.leave_out_built_objects()  # no step waits on a pass over them (lightning_mp_lstm.base.collector)
 
     @override
