@@ -20,7 +20,8 @@ Goals (issue 44): on every job the pick's measured step at most 1.10 x the best 
 candidates to 4 processes; on a GPU machine, ``trainer.accelerator=cpu`` ranks the CPU layouts).
 
 ``--results`` adds the jobs as the ``autopilot`` section of the benchmarks' results (rendered on docs/results.md by
-``python benchmarks/run.py --render docs/results.md``).
+``python benchmarks/run.py --render docs/results.md``). A run of some jobs replaces those jobs in an existing
+``--json`` file and keeps the others, each job with its own date and command (:func:`merge_jobs`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.main_job import measure  # noqa: E402
 
-__all__ = ["JOBS", "main", "mean_step", "rank_job", "section"]
+__all__ = ["JOBS", "main", "mean_step", "merge_jobs", "rank_job", "section"]
 
 #: The jobs: ``train.py`` overrides. ``vocab``'s budget lets two processes hold its 100,000-word decoder and
 #: refuses one process.
@@ -169,18 +170,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank:
         _print_ranking([*JOBS[args.rank], *args.override])
         return 0
-    results = [run_job(name, [*JOBS[name], *args.override], args.first, args.steps) for name in args.jobs]
     command = " ".join(["python benchmarks/autopilot.py",
                         *(a for a in (argv if argv is not None else sys.argv[1:]))])
-    out = {"command": command, "date": time.strftime("%Y-%m-%d"), "jobs": results}
+    date = time.strftime("%Y-%m-%d")
+    results = [{**run_job(name, [*JOBS[name], *args.override], args.first, args.steps), "date": date,
+                "command": command} for name in args.jobs]
+    out = {"command": command, "date": date, "jobs": results}
     print(json.dumps(out, indent=1))
     if args.json is not None:
+        earlier = json.loads(args.json.read_text()) if args.json.exists() else None
+        out = merge_jobs(earlier, out)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     if args.results is not None:
         everything = json.loads(args.results.read_text())
-        everything["sections"]["autopilot"] = section(results, command, out["date"])
+        everything["sections"]["autopilot"] = section(out["jobs"], out["command"], out["date"])
         args.results.write_text(json.dumps(everything, indent=1) + "\n")
     return 0 if all(all(r["goals"].values()) for r in results) else 1
+
+
+def merge_jobs(earlier: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:
+    """``run``'s jobs in place of the same jobs of an ``earlier`` output, the others kept (each job with its date
+    and command; an earlier job without them takes the earlier output's); in :data:`JOBS` order."""
+    if earlier is None:
+        return run
+    jobs = {job["job"]: {"date": earlier.get("date"), "command": earlier.get("command"), **job}
+            for job in earlier.get("jobs", [])}
+    jobs.update({job["job"]: job for job in run["jobs"]})
+    ordered = [jobs[name] for name in JOBS if name in jobs] + [j for n, j in jobs.items() if n not in JOBS]
+    if len(ordered) == len(run["jobs"]):
+        return run
+    return {"command": "; ".join(sorted({j["command"] for j in ordered})), "date": max(j["date"] for j in ordered),
+            "jobs": ordered}
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ rank process running the launching process's choice."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -69,7 +70,7 @@ def test_one_process_wins_when_threads_scale_and_nothing_fits_is_refused_with_th
     ranked = rank_layouts(model, [2], 16, 10, CPU, perfect, cores=2)
     assert choose(ranked).name == "1 process (2 threads)" and choose(ranked).settings() == {
         "data_parallel_size": 1, "pipeline_parallel_size": 1, "schedule": "1F1B", "n_microbatches": 1,
-        "time_chunks": None}
+        "time_chunks": None, "shard_replicas": False}
     tight = rank_layouts(model, [2], 16, 10, CPU, perfect, memory=_memory(model),
                          batch_for=lambda layout: BatchShape(16, 10), budget_for=lambda layout: (GIB, "test"),
                          cores=2)
@@ -94,6 +95,94 @@ def test_a_wavefront_choice_sets_the_schedule_and_both_axes(block_times, compose
     assert json.loads(os.environ[app_autopilot.CHOICE]) == settings
 
 
+def test_where_replicas_do_not_fit_the_same_layout_with_replicas_that_shard_is_ranked_and_run(
+        block_times, compose_train, monkeypatch):
+    model = tiny_model(num_layers=2)
+    calibration = Calibration(((1, 1.0), (2, 1.0)), float("inf"))
+
+    def ranking(budget_gib: float, shard: bool = True) -> dict:
+        return {r.name: r for r in rank_layouts(
+            model, [2], 16, 10, CPU, calibration, memory=_memory(model), shard=shard,
+            batch_for=lambda layout: BatchShape(16 // layout.data_parallel_size, 10),
+            budget_for=lambda layout: (int(budget_gib * GIB), "test"), cores=2)}
+
+    # A replica holds 2 GiB of parameters, 2 of gradients and a layer's gradient while it is computed (5 GiB);
+    # sharded over two, 1 + 1 of its own, one layer gathered whole and the one being computed (4 GiB).
+    ranked = ranking(4.5)
+    assert not ranked["dp2"].fits and ranked["dp2 sharded"].fits
+    assert ranked["dp2"].memory.peak - ranked["dp2 sharded"].memory.peak == pytest.approx(GIB, rel=1e-6)
+    sharded = ranked["dp2 sharded"].settings()
+    assert sharded["shard_replicas"] is True and sharded["data_parallel_size"] == 2
+    assert "strategy.shard_replicas=true" in app_autopilot.layout_overrides(sharded)
+    # Never where replicas fit (slower there), nor where sharding is not allowed.
+    assert not any("sharded" in name for name in ranking(100.0))
+    assert not any("sharded" in name for name in ranking(4.5, shard=False))
+    cfg = compose_train()
+    monkeypatch.delenv(app_autopilot.CHOICE, raising=False)
+    app_autopilot.apply_choice(cfg, sharded)
+    strategy = build_strategy(cfg)
+    assert cfg.strategy.shard_replicas is True and strategy.processes_for(None) == 2
+    assert strategy.may_shard("32-true") and not strategy.may_shard("16-mixed")
+    assert not build_strategy(compose_train("+strategy.data_parallel_weights=[1,3]")).may_shard("32-true")
+    assert not build_strategy(compose_train("strategy.verify=true")).may_shard("32-true")
+
+
+def test_replicas_that_shard_pay_a_third_transfer_and_are_timed_with_their_memory_returned(block_times,
+                                                                                           monkeypatch):
+    model = tiny_model(num_layers=2)
+    returned = []
+
+    @contextlib.contextmanager
+    def recorded():
+        returned.append(True)
+        yield True
+
+    monkeypatch.setattr(advice, "freed_memory_returned", recorded)
+    nbytes = 4 * sum(pipeline_model(model).analytic_costs("parameters", 1, 10).values())
+    bandwidth, touch = 1e6, 4e6
+    for first_touch, extra in ((0.0, 0.0), (touch, 2 * 3 * nbytes / touch)):
+        calibration = Calibration(((1, 1.0), (2, 1.0)), bandwidth, first_touch=first_touch)
+        plain = {c.name: c for c in advice.advise(model, [2], 16, 10, CPU, calibration, cores=2)}
+        sharded = {c.name: c for c in advice.advise(model, [2], 16, 10, CPU, calibration, cores=2, sharded=True)}
+        assert set(sharded) == {"dp2 sharded"} and returned and not any(c.sharded for c in plain.values())
+        # A replica all-reduces its gradients (2 x 1/2 of the bytes); a shard gathers twice and reduce-scatters
+        # once (3 x 1/2), filling what it gathers and reduces in fresh memory twice.
+        difference = sharded["dp2 sharded"].predicted_seconds - plain["dp2"].predicted_seconds
+        assert difference == pytest.approx(0.5 * nbytes / bandwidth + extra, rel=1e-9)
+
+
+def test_a_layout_whose_plan_leaves_little_room_is_timed_with_its_freed_memory_returned(monkeypatch):
+    """Such a process's steps return every freed buffer of 1 MiB or more (base.allocator.steady_threshold), which
+    costs them page faults: its blocks are timed that way (here: twice as slow)."""
+    returned = [False]
+
+    @contextlib.contextmanager
+    def recorded():
+        returned[0] = True
+        yield True
+        returned[0] = False
+
+    monkeypatch.setattr(advice, "freed_memory_returned", recorded)
+    monkeypatch.setattr(advice.profile, "block_seconds", lambda model, names, rows, *args, **kwargs: {
+        n: PER_ROW[n] * rows * (2 if returned[0] else 1) for n in names})
+    model = tiny_model(num_layers=2)
+    calibration = Calibration(((1, 1.0), (2, 1.0)), float("inf"))
+
+    def ranking(budget_gib: float) -> dict:
+        return {r.name: r for r in rank_layouts(
+            model, [2], 16, 10, CPU, calibration, memory=_memory(model),
+            batch_for=lambda layout: BatchShape(16 // layout.data_parallel_size, 10),
+            budget_for=lambda layout: (int(budget_gib * GIB), "test"), cores=2)}
+
+    roomy, tight = ranking(100.0), ranking(5.5)  # dp2 and one process need 5 GiB: over 3/4 of 5.5, under 5.5
+    assert tight["dp2"].fits and tight["dp2"].memory.peak > 0.75 * tight["dp2"].memory.budget
+    for name in ("dp2", "1 process (2 threads)"):
+        assert tight[name].candidate.predicted_seconds == pytest.approx(2 * roomy[name].candidate.predicted_seconds)
+    pipelines = [name for name in tight if name.startswith("pp2")]
+    assert pipelines and all(not tight[n].memory.peak > 0.75 * tight[n].memory.budget for n in pipelines)
+    assert all(tight[n].candidate.predicted_seconds == roomy[n].candidate.predicted_seconds for n in pipelines)
+
+
 @pytest.mark.parametrize("overrides, reason", [
     (["partition=balanced4"], "the partition has a stage count"),
     (["layout.data_parallel_size=2"], "layout.data_parallel_size or layout.tensor_parallel_size is set"),
@@ -101,6 +190,7 @@ def test_a_wavefront_choice_sets_the_schedule_and_both_axes(block_times, compose
     (["schedule.n_microbatches=4"], "schedule.n_microbatches is set"),
     (["trainer.num_nodes=2"], "the job spans several nodes"),
     (["layout=pp2"], "the layout is not auto"),
+    (["strategy.shard_replicas=true"], "strategy.shard_replicas is set"),
     ([], None),
 ])
 def test_a_command_that_fixes_part_of_the_layout_keeps_it(compose_train, overrides, reason):

@@ -426,6 +426,13 @@ def test_the_autopilot_section_holds_the_schema_and_judges_the_pick_against_the_
     steps = [{"step": s, "elements": e, "step_s": t} for s, e, t in [(0, 1, 9.0), (1, 2, 9.0), (2, 1, 1.0),
                                                                      (3, 2, 3.0), (4, 3, 9.0), (5, 3, 2.0)]]
     assert autopilot.mean_step(steps, first=2) == 2.0
+    # A run of one job replaces that job and keeps the others, each with its own date and command.
+    earlier = {"command": "python benchmarks/autopilot.py", "date": "2026-11-27", "jobs": jobs}
+    again = {**jobs[1], "pick_over_best": 1.05, "date": "2026-11-28", "command": "autopilot.py --jobs vocab"}
+    merged = autopilot.merge_jobs(earlier, {"command": again["command"], "date": "2026-11-28", "jobs": [again]})
+    assert [j["job"] for j in merged["jobs"]] == ["main", "vocab"] and merged["jobs"][1]["pick_over_best"] == 1.05
+    assert merged["jobs"][0]["date"] == "2026-11-27" and merged["date"] == "2026-11-28"
+    assert merged["command"] == "autopilot.py --jobs vocab; python benchmarks/autopilot.py"
 
 
 @pytest.mark.processes

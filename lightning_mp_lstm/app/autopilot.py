@@ -1,14 +1,15 @@
 """``layout=auto``: the fastest layout that fits, chosen before launch and run.
 
 The launching process ranks every layout of the machine's processes (one process, data parallel, pipelines and
-wavefront pipelines, and their products; :mod:`~lightning_mp_lstm.planning.autopilot`), prints the table and sets the
-layout and schedule groups to the fastest that fits. The rank processes it starts take its choice from the
+wavefront pipelines, and their products; where replicas cannot hold their stages, the same layouts with replicas that
+shard them; :mod:`~lightning_mp_lstm.planning.autopilot`), prints the table and sets the layout and schedule groups
+(and ``strategy.shard_replicas``) to the fastest that fits. The rank processes it starts take its choice from the
 environment (:data:`CHOICE`) instead of timing again, so every process runs the same layout.
 
 The autopilot leaves the layout to the command, as ``layout=auto`` did before it, where the command already fixes
 part of it: a partition with a stage count, a data- or tensor-parallel size, a schedule other than GPipe or 1F1B,
-a microbatch count, several nodes, or processes started by ``torchrun``/``srun``. It times blocks and threads on the
-CPU only; on a GPU it says so and runs one pipeline over the devices.
+a microbatch count, ``strategy.shard_replicas``, several nodes, or processes started by ``torchrun``/``srun``. It
+times blocks and threads on the CPU only; on a GPU it says so and runs one pipeline over the devices.
 
 A script that builds its own ``Trainer`` calls :func:`auto_strategy` before it: the strategy and the number of
 devices of the pick (a strategy cannot change the Trainer's devices once the Trainer holds them).
@@ -39,7 +40,7 @@ __all__ = ["CHOICE", "apply_choice", "auto_strategy", "autopilot_declined", "can
 
 #: The strategy options the autopilot chooses (:func:`auto_strategy` refuses them).
 CHOSEN_OPTIONS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size", "schedule", "n_microbatches",
-                  "time_chunks")
+                  "time_chunks", "shard_replicas")
 
 #: The environment variable that hands the launching process's choice (JSON: the layout and schedule settings) to
 #: the rank processes it starts.
@@ -67,6 +68,8 @@ def autopilot_declined(cfg: DictConfig, strategy: Any, model: Any) -> str | None
         return f"schedule {schedule.get('name')} is not GPipe or 1F1B"
     if schedule.get("n_microbatches") not in (None, "auto"):
         return "schedule.n_microbatches is set"
+    if (cfg.get("strategy") or {}).get("shard_replicas"):
+        return "strategy.shard_replicas is set"
     if int(cfg.trainer.get("num_nodes") or 1) != 1:
         return "the job spans several nodes"
     if "WORLD_SIZE" in os.environ and CHECKED_BY not in os.environ:
@@ -116,16 +119,18 @@ def rank_run(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -> tup
     ``cfg``): those that fit first, fastest predicted first; and the table to print."""
     counts = _process_counts(cfg, cpu_cores())
     exact = cfg.trainer.get("devices") not in (None, "auto")
-    return rank_layouts_for(strategy, model, datamodule, counts, str(cfg.schedule.get("name", "1F1B")), exact)
+    return rank_layouts_for(strategy, model, datamodule, counts, str(cfg.schedule.get("name", "1F1B")), exact,
+                            precision=str(cfg.trainer.get("precision") or "32-true"))
 
 
 def rank_layouts_for(strategy: Any, model: Any, datamodule: Any, counts: list[int], schedule: str = "1F1B",
-                     exact: bool = False) -> tuple[list[RankedLayout], str]:
+                     exact: bool = False, precision: str = "32-true") -> tuple[list[RankedLayout], str]:
     """Every layout of ``counts`` processes (and one process; with ``exact``, only those of ``counts[0]`` where
     any) ranked for ``model`` on ``datamodule``'s batches (:func:`~lightning_mp_lstm.planning.autopilot.
-    rank_layouts`), with ``strategy``'s memory budget; and the table to print, with a line that says what was
-    ranked. Times blocks and threads on the CPU; the step costs come from :func:`~lightning_mp_lstm.app.step_cost.
-    step_costs` (measured once per machine)."""
+    rank_layouts`), with ``strategy``'s memory budget (replicas that shard where replicated ones do not fit and
+    ``strategy`` allows it at ``precision``); and the table to print, with a line that says what was ranked. Times
+    blocks and threads on the CPU; the step costs come from :func:`~lightning_mp_lstm.app.step_cost.step_costs`
+    (measured once per machine)."""
     started = time.perf_counter()
     device = torch.device("cpu")
     cores = cpu_cores()
@@ -140,7 +145,7 @@ def rank_layouts_for(strategy: Any, model: Any, datamodule: Any, counts: list[in
         model, counts, rows, length, device, calibration, memory=model_memory(blocks, model),
         batch_for=lambda layout: largest_batch(datamodule, layout), floor=process_floor(),
         budget_for=lambda layout: strategy.memory_budget(device, layout.world_size),
-        schedule=schedule, cores=cores)
+        schedule=schedule, cores=cores, shard=bool(getattr(strategy, "may_shard", lambda _: False)(precision)))
     if exact:
         ranked = [r for r in ranked if r.processes == counts[0]] or ranked
     table = (f"mp_lstm: layout=auto ranked {len(ranked)} layouts of up to {max(counts)} processes on {cores} cores "
@@ -195,7 +200,9 @@ def auto_strategy(model: Any, datamodule: Any, processes: int | str = "auto",
         datamodule: a data module that says its batch (``batch_size`` or ``max_tokens``, and
             ``mean_padded_length``, as ``LMDataModule`` does); set up here for ``fit`` if it is not yet.
         processes: the most processes (``"auto"``: this machine's CPU cores).
-        options: other ``MPLSTMStrategy`` options (not the layout's: :data:`CHOSEN_OPTIONS`).
+        options: other ``MPLSTMStrategy`` options (not the layout's: :data:`CHOSEN_OPTIONS`). A pick whose
+            replicas shard their stages (``shard_replicas=True``, ranked where replicated ones do not fit) runs with
+            the Trainer's ``precision`` "32-true" (its default) or "bf16-mixed".
 
     Raises:
         ValueError: ``options`` fix part of the layout, ``processes`` is not a positive count or ``"auto"``, or the
@@ -236,6 +243,7 @@ def _layout_values(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
                    "pipeline_parallel_size": settings["pipeline_parallel_size"], "tensor_parallel_size": 1},
         "schedule": {"name": settings["schedule"], "n_microbatches": settings["n_microbatches"],
                      "time_chunks": settings.get("time_chunks")},
+        "strategy": {"shard_replicas": bool(settings.get("shard_replicas"))},
     }
 
 
@@ -268,4 +276,6 @@ def layout_overrides(settings: dict[str, Any]) -> list[str]:
     out += [f"schedule.name={settings['schedule']}", f"schedule.n_microbatches={settings['n_microbatches']}"]
     if settings.get("time_chunks"):
         out.append(f"schedule.time_chunks={settings['time_chunks']}")
+    if settings.get("shard_replicas"):
+        out.append("strategy.shard_replicas=true")
     return out

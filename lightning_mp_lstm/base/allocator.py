@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["MMAP_THRESHOLD", "STEADY_MMAP_THRESHOLD", "return_freed_memory", "steady_threshold"]
+__all__ = ["MMAP_THRESHOLD", "ROOM", "STEADY_MMAP_THRESHOLD", "freed_memory_returned", "return_freed_memory",
+           "steady_threshold"]
 
 #: Allocations from this many bytes up are mapped on their own (and unmapped when freed), while the blocks are built.
 MMAP_THRESHOLD = 1 << 20
@@ -55,9 +59,31 @@ def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
     environment sets ``MALLOC_MMAP_THRESHOLD_`` (the user chose). Returns whether it was set."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
+    libc = _libc()
     mallopt = getattr(libc, "mallopt", None)  # glibc's; musl has none
     return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, found once (``find_library`` runs ``ldconfig`` in a process of its own)."""
+    for name in ("libc.so.6", None):
+        try:
+            return ctypes.CDLL(name or ctypes.util.find_library("c"))
+        except (OSError, TypeError):
+            continue
+    return None
+
+
+@contextmanager
+def freed_memory_returned() -> Iterator[bool]:
+    """Run with every allocation from :data:`MMAP_THRESHOLD` up mapped afresh, as sharded replicas' steps run (to time
+    what that costs: a page fault per page of each such tensor); after it the threshold is
+    :data:`STEADY_MMAP_THRESHOLD` (glibc has no way to read the one before, and its own adjustment stops at that
+    bound). Yields whether the threshold could be set (not where ``MALLOC_MMAP_THRESHOLD_`` is set: the user chose)."""
+    changed = return_freed_memory(MMAP_THRESHOLD)
+    try:
+        yield changed
+    finally:
+        if changed:
+            return_freed_memory(STEADY_MMAP_THRESHOLD)

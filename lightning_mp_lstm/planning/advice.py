@@ -20,19 +20,22 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_mp_lstm.base.allocator import freed_memory_returned
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.planning import profile
 from lightning_mp_lstm.planning.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.planning.partition import partition_blocks
 from lightning_mp_lstm.planning.plan import ChunkCost, microbatch_candidates
 
-__all__ = ["Calibration", "Candidate", "advise", "calibrate", "check_device", "crowded_step_time", "render"]
+__all__ = ["Calibration", "Candidate", "advise", "calibrate", "check_device", "crowded_step_time",
+           "first_touch_bandwidth", "render", "shard_seconds"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,16 @@ class Calibration:
         step_costs: ``(replicas, stages, microbatches)`` -> seconds a training step of a near-zero model takes in
             that layout: what a step costs beyond its blocks (the loop, the optimizer, collectives, the messages of
             every microbatch; measured by ``lightning_mp_lstm.app.step_cost``); none: 0.
+        first_touch: bytes per second a process fills memory freshly mapped for it (a page fault per page): what
+            sharded replicas pay for the parameters and gradients they gather whole at every step, each buffer mapped
+            afresh (:func:`~lightning_mp_lstm.base.allocator.steady_threshold`); 0: not measured, not charged.
     """
 
     thread_speedup: tuple[tuple[int, float], ...]
     bandwidth: float
     crowding: tuple[tuple[int, float], ...] = ()
     step_costs: tuple[tuple[tuple[int, int, int], float], ...] = ()
+    first_touch: float = 0.0
 
     def step_cost(self, replicas: int, stages: int, units: int) -> float:
         """Seconds a step of ``replicas`` x ``stages`` processes and ``units`` pieces per replica batch costs beyond
@@ -96,6 +103,7 @@ class Candidate:
     threads_per_process: int
     predicted_seconds: float
     time_chunks: int = 1
+    sharded: bool = False
 
 
 def check_device(device: torch.device | str) -> None:
@@ -148,7 +156,24 @@ def calibrate(model: Any, rows: int, length: int, device: torch.device, threads:
     width = max(hidden for _, hidden in blocks.sizes) if getattr(blocks, "sizes", None) else 256
     crowded = tuple((count, crowding(count, max(1, cores // count), width, rows, length))
                     for count in sorted(set(processes)) if count > 1)
-    return Calibration(tuple((c, seconds[1] / seconds[c]) for c in counts), float(bandwidth), crowded)
+    return Calibration(tuple((c, seconds[1] / seconds[c]) for c in counts), float(bandwidth), crowded,
+                       first_touch=first_touch_bandwidth())
+
+
+def first_touch_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Bytes per second one thread fills a buffer mapped afresh (the median of ``repeats``; a buffer of 64 MiB is
+    above glibc's largest mmap threshold, so each one is new pages)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times = []
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return nbytes / max(statistics.median(times), 1e-9)
 
 
 def _lstm_seconds(lstm: torch.nn.Module, x: torch.Tensor, repeats: int = 3) -> float:
@@ -209,7 +234,8 @@ def crowded_step_time(crowded: Sequence[float], quiet: Sequence[float], n_microb
 def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: int, device: torch.device,
            calibration: Calibration,
            schedule: str = "1F1B", cores: int | None = None, max_microbatches: int = 32,
-           time_chunks: Sequence[int] = (2, 4, 8, 16)) -> list[Candidate]:
+           time_chunks: Sequence[int] = (2, 4, 8, 16), sharded: bool = False, memory_returned: bool = False,
+           only: Collection[tuple[int, int]] | None = None) -> list[Candidate]:
     """Every way to run ``model`` on ``devices`` processes, fastest predicted first.
 
     Args:
@@ -224,6 +250,13 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
         time_chunks: the chunk counts of the wavefront candidates (at most ``length``; each with 1, 2 or 4 row
             microbatches); empty: none. Block times at the shortest chunk are measured too, and each block's time is
             taken as linear in the length between the two (:class:`~lightning_mp_lstm.planning.plan.ChunkCost`).
+        sharded: instead, the candidates whose replicas shard their stages (``shard_replicas=True``): every layout
+            with replicas on GPipe or 1F1B, its blocks timed with freed memory returned as those steps run it
+            (:func:`~lightning_mp_lstm.base.allocator.freed_memory_returned`), and sharding's collectives in place
+            of the gradients' all-reduce (:func:`shard_seconds`).
+        memory_returned: time the blocks with freed memory returned, as the steps of a process whose memory plan
+            leaves little room run them (:func:`~lightning_mp_lstm.base.allocator.steady_threshold`).
+        only: the ``(replicas, stages)`` pairs to consider (one process is ``(1, 1)``); ``None``: all.
 
     Raises:
         ValueError: ``device`` is not a CPU (:func:`check_device`).
@@ -234,7 +267,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
     names = list(model.block_names)
     parameters = model.analytic_costs("parameters", 1, length)
     cache: dict[tuple[int, int], dict[str, float]] = {}
-    chunks = sorted({k for k in time_chunks if 1 < k <= length})
+    chunks = [] if sharded else sorted({k for k in time_chunks if 1 < k <= length})
     short = -(-length // chunks[-1]) if chunks else length
 
     def times(rows: int, steps: int = length) -> dict[str, float]:
@@ -242,8 +275,9 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
             before = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                cache[(rows, steps)] = profile.block_seconds(model, names, rows, steps, device, repeats=3, warmup=1,
-                                                             statistic=min)
+                with freed_memory_returned() if sharded or memory_returned else nullcontext():
+                    cache[(rows, steps)] = profile.block_seconds(model, names, rows, steps, device, repeats=3,
+                                                                 warmup=1, statistic=min)
             finally:
                 torch.set_num_threads(before)
         return cache[(rows, steps)]
@@ -278,18 +312,28 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
         takes ``b / (2 x bandwidth)``)."""
         return 3 * sum(parameters[b] for b in blocks) / calibration.bandwidth
 
-    def all_reduce_seconds(blocks: Sequence[str], replicas: int) -> float:
+    def all_reduce_seconds(blocks: Sequence[str], replicas: int, microbatches: int = 1) -> float:
         if replicas == 1:
             return 0.0
         nbytes = 4 * sum(parameters[b] for b in blocks)
+        if sharded:
+            return shard_seconds(nbytes, replicas, gathers(microbatches), calibration)
         return 2 * (replicas - 1) / replicas * nbytes / calibration.bandwidth
 
-    candidates = [Candidate(f"1 process ({cores} threads)", 1, 1, 1, (tuple(names),), cores,
-                            sum(times(batch_rows).values()) / calibration.speedup(cores)
-                            + calibration.step_cost(1, 1, 1))]
+    def gathers(microbatches: int) -> int:
+        """Gathers of a sharded block per step: before each forward (it reshards after it) and before the first
+        backward; under 1F1B a forward between two backwards reshards it, so every backward gathers again."""
+        return microbatches + 1 if schedule == "GPipe" or microbatches == 1 else 2 * microbatches
+
+    candidates = [] if sharded or (only is not None and (1, 1) not in only) else [
+        Candidate(f"1 process ({cores} threads)", 1, 1, 1, (tuple(names),), cores,
+                  sum(times(batch_rows).values()) / calibration.speedup(cores) + calibration.step_cost(1, 1, 1))]
+    label = " sharded" if sharded else ""
     counts = sorted({devices} if isinstance(devices, int) else set(devices))
     for processes, pp in ((d, pp) for d in counts for pp in range(1, d + 1)):
-        if processes % pp or pp > len(names):
+        if processes % pp or pp > len(names) or (sharded and processes == pp):
+            continue
+        if only is not None and (processes // pp, pp) not in only:
             continue
         dp = processes // pp
         threads = max(1, cores // processes)
@@ -304,7 +348,8 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
             seconds = (sum(times(rows).values()) / speed + all_reduce_seconds(names, dp)
                        + calibration.step_cost(dp, 1, 1))
             if dp > 1:
-                candidates.append(Candidate(f"dp{dp}", dp, 1, 1, (tuple(names),), threads, seconds))
+                candidates.append(Candidate(f"dp{dp}{label}", dp, 1, 1, (tuple(names),), threads, seconds,
+                                            sharded=sharded))
             continue
         try:
             layout = ParallelLayout(dp, pp, 1, schedule, pp)
@@ -321,10 +366,11 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
             crowded, quiet = ([sum(per_block[b] for b in stage) / v + accumulate_seconds(stage) + transfer
                                for stage in partition] for v in speeds)
             seconds = crowded_step_time(crowded, quiet, m)
-            seconds += max(all_reduce_seconds(stage, dp) for stage in partition) + calibration.step_cost(dp, pp, m)
-            prefix = f"dp{dp} x pp{pp}" if dp > 1 else f"pp{pp}"
+            seconds += max(all_reduce_seconds(stage, dp, m) for stage in partition)
+            seconds += calibration.step_cost(dp, pp, m)
+            prefix = f"dp{dp} x pp{pp}{label}" if dp > 1 else f"pp{pp}"
             option = Candidate(f"{prefix} balanced, m={m}", dp, pp, m, tuple(map(tuple, partition)), threads,
-                               seconds)
+                               seconds, sharded=sharded)
             if best is None or option.predicted_seconds < best.predicted_seconds:
                 best = option
         if best is not None:
@@ -334,6 +380,18 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
             if option is not None:
                 candidates.append(option)
     return sorted(candidates, key=lambda c: c.predicted_seconds)
+
+
+def shard_seconds(nbytes: float, replicas: int, gathers: int, calibration: Calibration) -> float:
+    """Seconds sharded replicas spend on a stage's ``nbytes`` of parameters in a step: gathered whole ``gathers``
+    times, the gradient reduce-scattered once (each moving ``(replicas - 1) / replicas`` of the bytes, where
+    replicated ones all-reduce twice that once); and every gathered copy and gradient filled in memory mapped
+    afresh, twice (FSDP2 copies each out of, or into, its collective's buffer)."""
+    moves = gathers + 1
+    seconds = moves * (replicas - 1) / replicas * nbytes / calibration.bandwidth
+    if calibration.first_touch:
+        seconds += 2 * moves * nbytes / calibration.first_touch
+    return seconds
 
 
 def render(candidates: Sequence[Candidate], tokens: float | None = None) -> str:

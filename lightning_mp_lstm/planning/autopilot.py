@@ -6,6 +6,11 @@ fits, and the fastest of them chosen.
 their products, each with its best microbatch count) and each candidate's memory per process
 (:func:`~lightning_mp_lstm.planning.memory.plan_memory` on the candidate's own partition). A candidate that does not
 fit is never chosen, however fast; :func:`render_ranking` prints the table with the reason each one loses.
+
+Where replicas cannot hold their stages whole, the same layout with replicas that shard them (``shard_replicas=True``,
+ZeRO-3 over the replicas) is ranked too, with its own memory plan and step time. It is never ranked where the
+replicated layout fits: it gathers every block at each step and returns its freed memory at once, so it is slower
+there (on MXNet's 8 x 1024 model, dp2, 1.29x; docs/layouts.md).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lightning_mp_lstm.base.allocator import ROOM
 from lightning_mp_lstm.planning.advice import Calibration, Candidate, advise
 from lightning_mp_lstm.planning.layout import WAVEFRONT, ParallelLayout
 from lightning_mp_lstm.planning.memory import GIB, MIB, BatchShape, MemoryPlan, ModelMemory, plan_memory
@@ -49,7 +55,8 @@ class RankedLayout:
         return {"data_parallel_size": layout.data_parallel_size,
                 "pipeline_parallel_size": layout.pipeline_parallel_size,
                 "schedule": layout.schedule, "n_microbatches": layout.n_microbatches,
-                "time_chunks": layout.time_chunks if layout.style == "wavefront" else None}
+                "time_chunks": layout.time_chunks if layout.style == "wavefront" else None,
+                "shard_replicas": self.candidate.sharded}
 
 
 def candidate_layout(candidate: Candidate, schedule: str) -> ParallelLayout:
@@ -67,7 +74,7 @@ def rank_layouts(model: Any, processes: Sequence[int], batch_rows: int, length: 
                  calibration: Calibration, memory: ModelMemory | None = None,
                  batch_for: Callable[[ParallelLayout], BatchShape | None] | None = None, floor: int = 0,
                  budget_for: Callable[[ParallelLayout], tuple[int | None, str]] | None = None,
-                 schedule: str = "1F1B", cores: int | None = None) -> list[RankedLayout]:
+                 schedule: str = "1F1B", cores: int | None = None, shard: bool = False) -> list[RankedLayout]:
     """Every candidate layout for each count of ``processes`` (and one process), those that fit first, each group
     fastest predicted first.
 
@@ -81,18 +88,47 @@ def rank_layouts(model: Any, processes: Sequence[int], batch_rows: int, length: 
             result: memory is not planned.
         floor: bytes every process holds before its blocks.
         budget_for: a layout's bytes per process and where that comes from.
+        shard: where a layout's replicas do not fit, rank the same layout with replicas that shard their stages
+            (:func:`~lightning_mp_lstm.planning.advice.advise` with ``sharded=True``); needs the memory planned.
     """
-    candidates = advise(model, processes, batch_rows, length, device, calibration, schedule=schedule, cores=cores)
-    ranked = []
-    for candidate in candidates:
+
+    def planned(candidate: Candidate) -> RankedLayout:
         layout = candidate_layout(candidate, schedule)
         plan = None
         batch = batch_for(layout) if memory is not None and batch_for is not None else None
         if batch is not None:
             budget, source = budget_for(layout) if budget_for is not None else (None, "")
-            plan = plan_memory(memory, layout, candidate.partition, batch, floor, budget, source)
-        ranked.append(RankedLayout(candidate, layout, plan))
+            plan = plan_memory(memory, layout, candidate.partition, batch, floor, budget, source,
+                               shard=layout.data_parallel_size if candidate.sharded else 1)
+        return RankedLayout(candidate, layout, plan)
+
+    def candidates(**kwargs: Any) -> list[Candidate]:
+        return advise(model, processes, batch_rows, length, device, calibration, schedule=schedule, cores=cores,
+                      **kwargs)
+
+    ranked = [planned(c) for c in candidates()]
+    # A process whose plan leaves little room returns what its steps free (base.allocator.steady_threshold): its
+    # blocks are timed so.
+    tight = {_kind(r.candidate) for r in ranked if r.fits and _tight(r.memory)}
+    if tight:
+        returned = {_kind(c): c for c in candidates(memory_returned=True, only={k[:2] for k in tight})}
+        ranked = [planned(returned[_kind(r.candidate)]) if _kind(r.candidate) in tight and _kind(r.candidate)
+                  in returned else r for r in ranked]
+    crowded_out = {(r.layout.data_parallel_size, r.layout.pipeline_parallel_size) for r in ranked
+                   if not r.fits and r.layout.data_parallel_size > 1}
+    if shard and crowded_out and memory is not None:
+        ranked += [planned(c) for c in candidates(sharded=True, only=crowded_out)]
     return sorted(ranked, key=lambda r: (not r.fits, r.candidate.predicted_seconds))
+
+
+def _kind(candidate: Candidate) -> tuple[int, int, bool]:
+    """What a candidate is apart from its microbatches: replicas, stages, and whether it is a wavefront."""
+    return candidate.data_parallel_size, candidate.pipeline_parallel_size, candidate.time_chunks > 1
+
+
+def _tight(plan: MemoryPlan | None) -> bool:
+    """Whether a process of ``plan`` runs with its freed memory returned (its peak near its budget)."""
+    return plan is not None and plan.budget is not None and plan.peak > ROOM * plan.budget
 
 
 def choose(ranked: Sequence[RankedLayout]) -> RankedLayout:

@@ -31,6 +31,7 @@ from lightning_mp_lstm.strategy import summary
 from lightning_mp_lstm.strategy.batches import check_same_batch
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.pipeline_setup import (
+    SHARDED_PRECISIONS,
     assemble_engine,
     check_automatic_optimization,
     check_run,
@@ -125,6 +126,13 @@ class PipelineRun:
         if self.process.fixed_world_size is not None:
             return self.process.fixed_world_size
         return self.process.processes_for(self.options.stage_count(self.blocks(module).block_names))
+
+    def may_shard(self, precision: str) -> bool:
+        """See ``MPLSTMStrategy.may_shard``: what ``check`` would refuse with ``shard_replicas=True``, besides the
+        layout."""
+        process = self.process
+        return (str(precision) in SHARDED_PRECISIONS and process.tensor_parallel_size == 1
+                and not process.data_parallel_weights and self.verify is not True)
 
     def check(self, module: Any, datamodule: Any, fitting: bool, memory: bool, precision: Any,
               device: torch.device | None, local_processes: int, warn: bool) -> None:

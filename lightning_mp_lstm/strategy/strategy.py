@@ -472,6 +472,10 @@ class MPLSTMStrategy(ParallelStrategy):
         from (``memory_per_process``, or the device's memory shared by the processes)."""
         return self._run.process.memory_budget(device, processes)
 
+    def may_shard(self, precision: str = "32-true") -> bool:
+        """Whether this strategy's other options allow ``shard_replicas=True`` at ``precision`` (the autopilot's)."""
+        return self._run.may_shard(precision)
+
     @property
     def device_mesh(self) -> DeviceMesh:
         """The ``(data_parallel, pipeline_parallel, tensor_parallel)`` device mesh."""
