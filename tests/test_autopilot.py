@@ -307,7 +307,8 @@ def test_the_calibration_measures_every_thread_count_a_candidate_runs_on(block_t
     monkeypatch.setattr(app_autopilot, "step_costs", lambda counts: {})
     monkeypatch.setattr(app_autopilot, "cpu_cores", lambda: 16)
     datamodule = SimpleNamespace(mean_padded_length=10, batch_size=32, bucket_lengths=[10])
-    strategy = SimpleNamespace(memory_budget=lambda device, processes: (None, "no budget"))
+    strategy = SimpleNamespace(memory_budget=lambda device, processes: (None, "no budget"),
+                               may_shard=lambda precision: False)
     ranked, table = app_autopilot.rank_layouts_for(strategy, tiny_model(), datamodule, [2, 4])
     assert asked == {"threads": [4, 8, 16], "processes": [2, 4]}
     assert "dp4" in table and "on 16 cores" in table

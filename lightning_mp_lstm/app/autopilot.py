@@ -145,7 +145,7 @@ def rank_layouts_for(strategy: Any, model: Any, datamodule: Any, counts: list[in
         model, counts, rows, length, device, calibration, memory=model_memory(blocks, model),
         batch_for=lambda layout: largest_batch(datamodule, layout), floor=process_floor(),
         budget_for=lambda layout: strategy.memory_budget(device, layout.world_size),
-        schedule=schedule, cores=cores, shard=bool(getattr(strategy, "may_shard", lambda _: False)(precision)))
+        schedule=schedule, cores=cores, shard=strategy.may_shard(precision))
     if exact:
         ranked = [r for r in ranked if r.processes == counts[0]] or ranked
     table = (f"mp_lstm: layout=auto ranked {len(ranked)} layouts of up to {max(counts)} processes on {cores} cores "

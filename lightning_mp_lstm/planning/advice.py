@@ -299,7 +299,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
                                for stage in partition[1:])
                 crowded, quiet = ([c.seconds(steps) + transfer for c in kind] for kind in costs)
                 seconds = crowded_step_time(crowded, quiet, m * k)
-                seconds += max(all_reduce_seconds(stage, dp) for stage in partition)
+                seconds += max(gradient_sync_seconds(stage, dp) for stage in partition)
                 seconds += calibration.step_cost(dp, pp, m * k)
                 if best is None or seconds < best.predicted_seconds:
                     best = Candidate(f"{prefix} wavefront, m={m} x k={k}", dp, pp, m, tuple(map(tuple, partition)),
@@ -312,7 +312,9 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
         takes ``b / (2 x bandwidth)``)."""
         return 3 * sum(parameters[b] for b in blocks) / calibration.bandwidth
 
-    def all_reduce_seconds(blocks: Sequence[str], replicas: int, microbatches: int = 1) -> float:
+    def gradient_sync_seconds(blocks: Sequence[str], replicas: int, microbatches: int = 1) -> float:
+        """Seconds ``replicas`` spend on ``blocks``' gradients in a step: an all-reduce, or sharding's gathers and
+        reduce-scatter (:func:`shard_seconds`)."""
         if replicas == 1:
             return 0.0
         nbytes = 4 * sum(parameters[b] for b in blocks)
@@ -345,7 +347,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
         if rows < 1:
             continue
         if pp == 1:
-            seconds = (sum(times(rows).values()) / speed + all_reduce_seconds(names, dp)
+            seconds = (sum(times(rows).values()) / speed + gradient_sync_seconds(names, dp)
                        + calibration.step_cost(dp, 1, 1))
             if dp > 1:
                 candidates.append(Candidate(f"dp{dp}{label}", dp, 1, 1, (tuple(names),), threads, seconds,
@@ -366,7 +368,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
             crowded, quiet = ([sum(per_block[b] for b in stage) / v + accumulate_seconds(stage) + transfer
                                for stage in partition] for v in speeds)
             seconds = crowded_step_time(crowded, quiet, m)
-            seconds += max(all_reduce_seconds(stage, dp, m) for stage in partition)
+            seconds += max(gradient_sync_seconds(stage, dp, m) for stage in partition)
             seconds += calibration.step_cost(dp, pp, m)
             prefix = f"dp{dp} x pp{pp}{label}" if dp > 1 else f"pp{pp}"
             option = Candidate(f"{prefix} balanced, m={m}", dp, pp, m, tuple(map(tuple, partition)), threads,
