@@ -181,6 +181,13 @@ def test_a_layout_whose_plan_leaves_little_room_is_timed_with_its_freed_memory_r
     pipelines = [name for name in tight if name.startswith("pp2")]
     assert pipelines and all(not tight[n].memory.peak > 0.75 * tight[n].memory.budget for n in pipelines)
     assert all(tight[n].candidate.predicted_seconds == roomy[n].candidate.predicted_seconds for n in pipelines)
+    # A wavefront's chunks are timed at their own length then, not on a line between two lengths.
+    asked = []
+    monkeypatch.setattr(advice.profile, "block_seconds", lambda model, names, rows, length, *args, **kwargs: (
+        asked.append(length) or {n: PER_ROW[n] * rows * length / 10 for n in names}))
+    advice.advise(model, [2], 16, 10, CPU, calibration, cores=2, only={(1, 2)}, time_chunks=(2, 4),
+                  memory_returned=True)
+    assert {5, 3} <= set(asked)
 
 
 @pytest.mark.parametrize("overrides, reason", [
