@@ -434,6 +434,39 @@ def test_the_autopilot_section_holds_the_schema_and_judges_the_pick_against_the_
     assert merged["jobs"][0]["date"] == "2026-11-27" and merged["date"] == "2026-11-28"
     assert merged["command"] == "autopilot.py --jobs vocab; python benchmarks/autopilot.py"
 
+    assert "vocab: strategy.memory_per_process=1.1 (one run of each candidate)" in section["setup"]
+
+
+def test_the_autopilot_benchmark_runs_its_candidates_in_turns_and_takes_each_ones_median(monkeypatch):
+    """``--rounds``: every candidate that fits runs once per round, the candidates taking turns, and its measured
+    step is the median of its runs (a candidate that does not fit never runs)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from benchmarks import autopilot
+
+    ranked = [{"candidate": name, "processes": 2, "predicted_s": 1.0, "fits": fits, "peak_mib": 1.0,
+               "settings": {"data_parallel_size": dp, "pipeline_parallel_size": 1, "schedule": "1F1B",
+                            "n_microbatches": 1}}
+              for name, dp, fits in [("dp2", 2, True), ("single", 1, True), ("dp4", 4, False)]]
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout="table\n" + json.dumps(ranked)))
+    runs = []
+    steps = {"dp2": iter([5.0, 1.0, 2.0]), "single": iter([3.0, 9.0, 4.0])}
+
+    def measure(first, count, command):
+        name = "dp2" if any("data_parallel_size=2" in c for c in command) else "single"
+        runs.append(name)
+        return [{"step": 9, "elements": 1.0, "step_s": 0.0}, {"step": 10, "elements": 1.0, "step_s": next(steps[name])}]
+
+    monkeypatch.setattr(autopilot, "measure", measure)
+    job = autopilot.run_job("main", [], first=5, steps=30, rounds=3)
+    assert runs == ["dp2", "single"] * 3
+    assert [r.get("measured_s") for r in job["rows"]] == [2.0, 4.0, None]
+    assert job["rows"][0]["measured_rounds"] == [5.0, 1.0, 2.0] and job["rounds"] == 3
+    assert job["pick"] == "dp2" and job["best"] == "dp2" and job["pick_over_best"] == 1.0
+    assert "main: python train.py as it is (the median of 3 runs of each candidate)" in autopilot.section(
+        [job], "python benchmarks/autopilot.py", "2026-11-28")["setup"]
+
 
 @pytest.mark.processes
 def test_a_run_of_some_sections_keeps_the_others_and_the_page_says_where_each_came_from(quick, tmp_path):

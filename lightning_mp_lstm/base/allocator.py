@@ -28,8 +28,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["MMAP_THRESHOLD", "ROOM", "STEADY_MMAP_THRESHOLD", "freed_memory_returned", "return_freed_memory",
-           "steady_threshold"]
+__all__ = ["MMAP_THRESHOLD", "ROOM", "STEADY_MMAP_THRESHOLD", "freed_memory_returned", "leaves_little_room",
+           "return_freed_memory", "steady_threshold"]
 
 #: Allocations from this many bytes up are mapped on their own (and unmapped when freed), while the blocks are built.
 MMAP_THRESHOLD = 1 << 20
@@ -49,8 +49,14 @@ def steady_threshold(peak: int | None, budget: int | None, sharded: bool = False
     1,216 MiB. With every buffer of 1 MiB or more returned it stayed at 1,340 MiB, for steps 1.29x slower. The same
     model replicated peaks 24-27 % above its plan with the heap kept, 9 % above with it returned.
     """
-    tight = peak is not None and budget is not None and peak > ROOM * budget
-    return MMAP_THRESHOLD if tight or sharded else STEADY_MMAP_THRESHOLD
+    return MMAP_THRESHOLD if leaves_little_room(peak, budget) or sharded else STEADY_MMAP_THRESHOLD
+
+
+def leaves_little_room(peak: int | None, budget: int | None) -> bool:
+    """Whether a predicted ``peak`` is above :data:`ROOM` of the ``budget`` (unknown ones leave room)."""
+    return peak is not None and budget is not None and peak > ROOM * budget
+
+
 _M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_mp_lstm.base.allocator import ROOM
+from lightning_mp_lstm.base.allocator import leaves_little_room
 from lightning_mp_lstm.planning.advice import Calibration, Candidate, advise
 from lightning_mp_lstm.planning.layout import WAVEFRONT, ParallelLayout
 from lightning_mp_lstm.planning.memory import GIB, MIB, BatchShape, MemoryPlan, ModelMemory, plan_memory
@@ -112,8 +112,8 @@ def rank_layouts(model: Any, processes: Sequence[int], batch_rows: int, length: 
     tight = {_kind(r.candidate) for r in ranked if r.fits and _tight(r.memory)}
     if tight:
         returned = {_kind(c): c for c in candidates(memory_returned=True, only={k[:2] for k in tight})}
-        ranked = [planned(returned[_kind(r.candidate)]) if _kind(r.candidate) in tight and _kind(r.candidate)
-                  in returned else r for r in ranked]
+        ranked = [planned(returned[kind]) if (kind := _kind(r.candidate)) in tight and kind in returned else r
+                  for r in ranked]
     crowded_out = {(r.layout.data_parallel_size, r.layout.pipeline_parallel_size) for r in ranked
                    if not r.fits and r.layout.data_parallel_size > 1}
     if shard and crowded_out and memory is not None:
@@ -128,7 +128,7 @@ def _kind(candidate: Candidate) -> tuple[int, int, bool]:
 
 def _tight(plan: MemoryPlan | None) -> bool:
     """Whether a process of ``plan`` runs with its freed memory returned (its peak near its budget)."""
-    return plan is not None and plan.budget is not None and plan.peak > ROOM * plan.budget
+    return plan is not None and leaves_little_room(plan.peak, plan.budget)
 
 
 def choose(ranked: Sequence[RankedLayout]) -> RankedLayout:

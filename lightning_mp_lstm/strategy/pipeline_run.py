@@ -10,6 +10,7 @@ schedule. It knows the Trainer only through the module and the arguments the str
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,10 +32,11 @@ from lightning_mp_lstm.strategy import summary
 from lightning_mp_lstm.strategy.batches import check_same_batch
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.pipeline_setup import (
-    SHARDED_PRECISIONS,
     assemble_engine,
     check_automatic_optimization,
     check_run,
+    check_sharded_precision,
+    check_sharded_verify,
     make_verifier,
     plan_memory_of_run,
     plan_run,
@@ -128,20 +130,23 @@ class PipelineRun:
         return self.process.processes_for(self.options.stage_count(self.blocks(module).block_names))
 
     def may_shard(self, precision: str) -> bool:
-        """See ``MPLSTMStrategy.may_shard``: what ``check`` would refuse with ``shard_replicas=True``, besides the
-        layout."""
-        process = self.process
-        return (str(precision) in SHARDED_PRECISIONS and process.tensor_parallel_size == 1
-                and not process.data_parallel_weights and self.verify is not True)
+        """See ``MPLSTMStrategy.may_shard``: whether the checks of ``shard_replicas=True`` pass, besides the
+        layout's."""
+        try:
+            replace(self.process, shard_replicas=True)  # its options' checks
+            check_sharded_precision(str(precision))
+            check_sharded_verify(self.verify)
+        except ValueError:
+            return False
+        return True
 
     def check(self, module: Any, datamodule: Any, fitting: bool, memory: bool, precision: Any,
               device: torch.device | None, local_processes: int, warn: bool) -> None:
         """See ``MPLSTMStrategy.check``."""
         if fitting:
             check_automatic_optimization(module)
-        if self.process.shard_replicas and self.verify is True:
-            raise ValueError("verify=True with shard_replicas=True: the check compares whole parameters, which "
-                             "sharded replicas never hold; use verify='auto' or False, or shard_replicas=False")
+        if self.process.shard_replicas:
+            check_sharded_verify(self.verify)
         blocks = self.blocks(module)
         check_run(blocks, type(module).__name__, precision, self.layout, self.options, self.process, datamodule,
                   planned=self._plan is not None, fitting=fitting, device=device, local_processes=local_processes,

@@ -45,7 +45,7 @@ from lightning_mp_lstm.strategy.precision import REFUSED_PRECISIONS
 SHARDED_PRECISIONS = ("32-true", "bf16-mixed")
 
 __all__ = ["SHARDED_PRECISIONS", "assemble_engine", "check_automatic_optimization", "check_callbacks", "check_run",
-           "check_sharding", "end_process_groups",
+           "check_sharded_precision", "check_sharded_verify", "check_sharding", "end_process_groups",
            "explain_optimizer_error", "make_verifier", "plan_memory_of_run", "plan_run", "replica_rows",
            "report_not_reproduced", "start_process_groups"]
 
@@ -234,6 +234,18 @@ def check_sharding(layout: ParallelLayout, precision: str | None) -> None:
     if layout.style == "wavefront" or layout.stages_per_rank > 1:
         raise LayoutError(f"shard_replicas=True runs one stage per process through GPipe or 1F1B; got schedule="
                           f"{layout.schedule!r} with stages_per_rank={layout.stages_per_rank}")
+    check_sharded_precision(precision)
+
+
+def check_sharded_verify(verify: bool | str) -> None:
+    """Refuse ``verify=True`` with sharded replicas: its check compares whole parameters."""
+    if verify is True:
+        raise ValueError("verify=True with shard_replicas=True: the check compares whole parameters, which "
+                         "sharded replicas never hold; use verify='auto' or False, or shard_replicas=False")
+
+
+def check_sharded_precision(precision: str | None) -> None:
+    """Refuse a ``precision`` that sharded replicas cannot run at, naming the allowed ones."""
     if precision not in SHARDED_PRECISIONS:
         raise ValueError(f"shard_replicas=True with precision={precision!r}: sharded parameters keep float32; "
                          f"allowed: {', '.join(SHARDED_PRECISIONS)}")
