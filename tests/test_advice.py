@@ -64,6 +64,23 @@ def test_calibration_measures_a_speedup_for_every_thread_count():
     assert calibration.bandwidth == 1e9 and calibration.speedup(3) == max(1.0, dict(calibration.thread_speedup)[2])
 
 
+@pytest.mark.parametrize("one_thread, rounds", [(1.0, 3), (0.1, 5), (1e-6, "most")])
+def test_a_small_model_s_thread_calibration_runs_more_rounds(monkeypatch, one_thread, rounds):
+    """At least three rounds, and more until one thread ran ``LEAST_SECONDS`` (at most ``MOST_REPEATS``)."""
+    calls = []
+
+    def timed(model, names, rows, length, device, **kwargs):
+        calls.append(torch.get_num_threads())
+        return {"only": one_thread if torch.get_num_threads() == 1 else one_thread / 2}
+
+    monkeypatch.setattr(advice.profile, "block_seconds", timed)
+    calibration = calibrate(tiny_model(num_layers=1, hidden_size=8), rows=2, length=4, device=CPU, threads=(1, 2),
+                            bandwidth=1e9)
+    expected = advice.profile.MOST_REPEATS if rounds == "most" else rounds
+    assert advice.LEAST_SECONDS == 0.5 and calls == [1, 2] * expected
+    assert dict(calibration.thread_speedup)[2] == pytest.approx(2.0)
+
+
 def test_processes_that_crowd_each_other_are_predicted_slower_by_the_measured_factor(monkeypatch):
     """Two processes on two cores share memory bandwidth and caches: each computes slower than one alone on one core,
     and the calibration's factor for two processes slows every two-process candidate by it, not one process."""

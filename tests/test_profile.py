@@ -20,6 +20,20 @@ def test_block_seconds_are_positive_and_grow_with_the_vocabulary():
     assert times_big["decoder"] > 3 * times_small["decoder"]  # 160x the decoder's FLOPs
 
 
+def test_a_fast_block_is_timed_until_its_runs_fill_the_seconds_asked_for():
+    """``least``: more runs than ``repeats`` until they took that long, at most ``MOST_REPEATS`` (a block of a few
+    milliseconds timed three times on a shared machine moved by a third call to call)."""
+    model = pipeline_model(tiny_model(num_layers=1, vocab=50, hidden_size=16))
+    cpu = torch.device("cpu")
+
+    def runs(least: float) -> set[float]:
+        return set(profile.block_seconds(model, model.block_names, 2, 4, cpu, repeats=2, warmup=1, statistic=len,
+                                         least=least).values())
+
+    assert runs(0.0) == {2} and runs(1e-12) == {2}
+    assert runs(1e9) == {profile.MOST_REPEATS}
+
+
 def test_profiling_builds_its_blocks_on_the_device_and_leaves_the_model_alone():
     """What reaches the timer is on the device profiling was asked for, even when the model itself has no storage
     there (here: the meta device) -- the order bug that crashed CUDA runs profiling CPU blocks with GPU inputs."""

@@ -34,8 +34,13 @@ from lightning_mp_lstm.planning.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.planning.partition import partition_blocks
 from lightning_mp_lstm.planning.plan import ChunkCost, microbatch_candidates
 
-__all__ = ["Calibration", "Candidate", "advise", "calibrate", "check_device", "crowded_step_time",
+__all__ = ["LEAST_SECONDS", "Calibration", "Candidate", "advise", "calibrate", "check_device", "crowded_step_time",
            "first_touch_bandwidth", "render", "shard_seconds"]
+
+#: Seconds the thread calibration runs the model on one thread at least (a quarter of it for each timed block):
+#: more runs of a small model, whose step is milliseconds. On the 2-core box three runs of the main job's model gave
+#: thread speed-ups from 1.39 to 1.73 and its blocks 38-52 ms, call to call.
+LEAST_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -137,13 +142,19 @@ def calibrate(model: Any, rows: int, length: int, device: torch.device, threads:
     counts = sorted(set(threads) or {t for t in (1, 2, 4, 8, 16, 32, 64) if t <= (os.cpu_count() or 1)}) or [1]
     before = torch.get_num_threads()
     seconds: dict[int, float] = {}
+    spent = 0.0
     try:
-        for _ in range(3):  # interleaved rounds, the fastest of each count: a busy moment slows a round, not a count
+        rounds = 0
+        # Interleaved rounds, the fastest of each count: a busy moment slows a round, not a count. At least 3, and
+        # more until one thread ran LEAST_SECONDS (at most MOST_REPEATS): a small model's rounds are milliseconds.
+        while rounds < 3 or (spent < LEAST_SECONDS and rounds < profile.MOST_REPEATS):
+            rounds += 1
             for count in sorted({1, *counts}):
                 torch.set_num_threads(count)
                 total = sum(profile.block_seconds(blocks, blocks.block_names, rows, length, device, repeats=1,
                                                   warmup=1).values())
                 seconds[count] = min(seconds.get(count, total), total)
+                spent += total if count == 1 else 0.0
     finally:
         torch.set_num_threads(before)
     if bandwidth is None:
@@ -277,7 +288,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
             try:
                 with freed_memory_returned() if sharded or memory_returned else nullcontext():
                     cache[(rows, steps)] = profile.block_seconds(model, names, rows, steps, device, repeats=3,
-                                                                 warmup=1, statistic=min)
+                                                                 warmup=1, statistic=min, least=LEAST_SECONDS / 4)
             finally:
                 torch.set_num_threads(before)
         return cache[(rows, steps)]

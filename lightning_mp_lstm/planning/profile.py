@@ -16,7 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["block_seconds", "median_interval", "stage_seconds", "untouched"]
+__all__ = ["MOST_REPEATS", "block_seconds", "median_interval", "stage_seconds", "untouched"]
+
+#: The most runs a timing repeats to fill the seconds it was asked for (a fast block is timed more often: one run of a
+#: few milliseconds on a shared machine is noise).
+MOST_REPEATS = 20
 
 
 @contextmanager
@@ -55,11 +59,13 @@ def _first_tensor(value: object) -> torch.Tensor | None:
 
 
 def _time(step: Any, make_input: Any, device: torch.device, modules: Sequence[nn.Module], repeats: int,
-          warmup: int, statistic: Callable[[list[float]], float] = statistics.median) -> float:
-    """``statistic`` (the median) of the seconds of ``step(make_input())`` over ``repeats`` runs after ``warmup``
-    (gradients reset between)."""
-    samples = []
-    for i in range(warmup + repeats):
+          warmup: int, statistic: Callable[[list[float]], float] = statistics.median, least: float = 0.0) -> float:
+    """``statistic`` (the median) of the seconds of ``step(make_input())`` over ``repeats`` runs after ``warmup``,
+    and more until the runs took ``least`` seconds (at most :data:`MOST_REPEATS`; gradients reset between)."""
+    samples: list[float] = []
+    i = 0
+    while i < warmup + repeats or (sum(samples) < least and len(samples) < MOST_REPEATS):
+        i += 1
         for module in modules:
             module.zero_grad(set_to_none=True)
         x = make_input()
@@ -67,7 +73,7 @@ def _time(step: Any, make_input: Any, device: torch.device, modules: Sequence[nn
         start = time.perf_counter()
         step(x)
         _synchronize(device)
-        if i >= warmup:
+        if i > warmup:
             samples.append(time.perf_counter() - start)
     for module in modules:
         module.zero_grad(set_to_none=True)
@@ -76,7 +82,7 @@ def _time(step: Any, make_input: Any, device: torch.device, modules: Sequence[nn
 
 def _timed_chain(model: Any, names: Sequence[str], modules: Sequence[nn.Module], rows: int, length: int,
                  device: torch.device, repeats: int, warmup: int, each: bool,
-                 statistic: Callable[[list[float]], float] = statistics.median) -> list[float]:
+                 statistic: Callable[[list[float]], float] = statistics.median, least: float = 0.0) -> list[float]:
     """Forward + backward seconds of ``modules`` (blocks ``names``) chained: one time per block (``each``) or
     one for the whole chain. The model's last block is timed with its loss."""
     last = model.block_names[-1]
@@ -110,24 +116,27 @@ def _timed_chain(model: Any, names: Sequence[str], modules: Sequence[nn.Module],
                 else:
                     y.backward(grad)
 
-            times.append(_time(step, make_input, device, [modules[i] for i in group], repeats, warmup, statistic))
+            times.append(_time(step, make_input, device, [modules[i] for i in group], repeats, warmup, statistic,
+                               least))
     return times
 
 
 def block_seconds(model: Any, names: Sequence[str], rows: int, length: int, device: torch.device,
                   repeats: int = 5, warmup: int = 2,
-                  statistic: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+                  statistic: Callable[[list[float]], float] = statistics.median,
+                  least: float = 0.0) -> dict[str, float]:
     """Forward + backward seconds of each block ``names`` for a microbatch of ``rows x length``, on ``device``.
 
     Each block is a fresh copy the model builds on ``device`` (``build_block``), so nothing of the model itself
     is touched or needs to be on ``device``, and only the timed blocks are materialized. The model's last block
     is timed with its loss. ``statistic`` (the median; ``min``: the fastest, what a run on a busy machine can still
-    reach) of ``repeats`` runs after ``warmup``.
+    reach) of ``repeats`` runs after ``warmup``, and of more until a block's runs took ``least`` seconds (at most
+    :data:`MOST_REPEATS`).
     """
     modules = [model.build_block(name, device) for name in names]
     try:
         return dict(zip(names, _timed_chain(model, names, modules, rows, length, device, repeats, warmup, each=True,
-                                            statistic=statistic)))
+                                            statistic=statistic, least=least)))
     finally:
         del modules
 
