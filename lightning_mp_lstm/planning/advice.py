@@ -128,11 +128,11 @@ def check_device(device: torch.device | str) -> None:
 
 def calibrate(model: Any, rows: int, length: int, device: torch.device, threads: Sequence[int] = (),
               bandwidth: float | None = None, processes: Sequence[int] = ()) -> Calibration:
-    """Measure the thread speed-up of the whole model (its blocks' forward + backward, the fastest of three
-    interleaved rounds) for each count in ``threads`` (default: every power of two up to the CPU count), the
-    slowdown of ``processes`` processes running at once (each on its share of the cores; :func:`crowding`, an LSTM
-    layer of the model's width) and, unless given, the bytes per second of a local copy between processes
-    (estimated from a memory copy of a 64 MiB buffer, halved for the transport).
+    """Measure the thread speed-up of the whole model (its blocks' forward + backward, the fastest of at least three
+    interleaved rounds, more for a small model: :data:`LEAST_SECONDS`) for each count in ``threads`` (default: every
+    power of two up to the CPU count), the slowdown of ``processes`` processes running at once (each on its share of
+    the cores; :func:`crowding`, an LSTM layer of the model's width) and, unless given, the bytes per second of a
+    local copy between processes (estimated from a memory copy of a 64 MiB buffer, halved for the transport).
 
     Raises:
         ValueError: ``device`` is not a CPU (:func:`check_device`).
