@@ -142,9 +142,8 @@ def calibrate(model: Any, rows: int, length: int, device: torch.device, threads:
     counts = sorted(set(threads) or {t for t in (1, 2, 4, 8, 16, 32, 64) if t <= (os.cpu_count() or 1)}) or [1]
     before = torch.get_num_threads()
     seconds: dict[int, float] = {}
-    spent = 0.0
+    rounds, spent = 0, 0.0  # spent: seconds on one thread so far
     try:
-        rounds = 0
         # Interleaved rounds, the fastest of each count: a busy moment slows a round, not a count. At least 3, and
         # more until one thread ran LEAST_SECONDS (at most MOST_REPEATS): a small model's rounds are milliseconds.
         while rounds < 3 or (spent < LEAST_SECONDS and rounds < profile.MOST_REPEATS):
@@ -154,7 +153,8 @@ def calibrate(model: Any, rows: int, length: int, device: torch.device, threads:
                 total = sum(profile.block_seconds(blocks, blocks.block_names, rows, length, device, repeats=1,
                                                   warmup=1).values())
                 seconds[count] = min(seconds.get(count, total), total)
-                spent += total if count == 1 else 0.0
+                if count == 1:
+                    spent += total
     finally:
         torch.set_num_threads(before)
     if bandwidth is None:
