@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.main_job import measure  # noqa: E402
 
-__all__ = ["JOBS", "main", "mean_step", "merge_jobs", "rank_job", "section"]
+__all__ = ["JOBS", "job_label", "main", "mean_step", "merge_jobs", "most_processes", "rank_job", "section"]
 
 #: The jobs: ``train.py`` overrides. ``vocab``'s budget lets two processes hold its 100,000-word decoder and
 #: refuses one process.
@@ -139,15 +139,15 @@ def section(results: list[dict[str, Any]], command: str, date: str) -> dict[str,
     goals per job."""
     fields = ("candidate", "processes", "fits", "peak_mib", "predicted_s", "predicted_rank", "measured_s",
               "predicted_over_measured")
-    rows = [{"job": job["job"], **{k: row.get(k) for k in fields}} for job in results for row in job["rows"]]
+    rows = [{"job": job_label(job), **{k: row.get(k) for k in fields}} for job in results for row in job["rows"]]
     goals = []
     for job in results:
         errors = [r["predicted_over_measured"] for r in job["rows"] if "predicted_over_measured" in r]
-        goals.append(_goal(f"{job['job']}: measured step of the pick ({job['pick']}) / best measured "
+        goals.append(_goal(f"{job_label(job)}: measured step of the pick ({job['pick']}) / best measured "
                            f"({job['best']})", job["pick_over_best"], 1.10, "<="))
-        goals.append(_goal(f"{job['job']}: largest |predicted / measured - 1|", max(abs(e - 1) for e in errors),
+        goals.append(_goal(f"{job_label(job)}: largest |predicted / measured - 1|", max(abs(e - 1) for e in errors),
                            0.25, "<="))
-    jobs = "; ".join(f"{job['job']}: {' '.join(job['overrides']) or 'python train.py as it is'} "
+    jobs = "; ".join(f"{job_label(job)}: {' '.join(job['overrides']) or 'python train.py as it is'} "
                      f"({_runs(job.get('rounds', 1))})" for job in results)
     return {"title": "The autopilot (layout=auto): predicted against measured",
             "setup": (f"{command}: every layout of up to the machine's cores ranked as layout=auto ranks it (step "
@@ -158,6 +158,18 @@ def section(results: list[dict[str, Any]], command: str, date: str) -> dict[str,
                       f"candidates taking turns, the median of its runs. Jobs: {jobs}. Measured {date}. "
                       "docs/autopilot.md."),
             "rows": rows, "goals": goals}
+
+
+def most_processes(job: dict[str, Any]) -> int | None:
+    """The most processes a job's ranking took (its ``layout.processes`` override), ``None``: the machine's cores."""
+    counts = [o.split("=", 1)[1] for o in job["overrides"] if o.startswith("layout.processes=")]
+    return int(counts[-1]) if counts and counts[-1] != "auto" else None
+
+
+def job_label(job: dict[str, Any]) -> str:
+    """A job's name, with the most processes where the run set them (``main, up to 4 processes``)."""
+    most = most_processes(job)
+    return job["job"] if most is None else f"{job['job']}, up to {most} processes"
 
 
 def _runs(rounds: int) -> str:
@@ -201,15 +213,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(all(r["goals"].values()) for r in results) else 1
 
 
+def _key(job: dict[str, Any]) -> tuple[str, int | None]:
+    return job["job"], most_processes(job)
+
+
 def merge_jobs(earlier: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:
     """``run``'s jobs in place of the same jobs of an ``earlier`` output, the others kept (each job with its date
-    and command; an earlier job without them takes the earlier output's); in :data:`JOBS` order."""
+    and command; an earlier job without them takes the earlier output's); a job is its name and its most processes
+    (:func:`most_processes`); in :data:`JOBS` order, the machine's cores before a count set."""
     if earlier is None:
         return run
-    jobs = {job["job"]: {"date": earlier.get("date"), "command": earlier.get("command"), **job}
+    jobs = {_key(job): {"date": earlier.get("date"), "command": earlier.get("command"), **job}
             for job in earlier.get("jobs", [])}
-    jobs.update({job["job"]: job for job in run["jobs"]})
-    ordered = [jobs[name] for name in JOBS if name in jobs] + [j for n, j in jobs.items() if n not in JOBS]
+    jobs.update({_key(job): job for job in run["jobs"]})
+    order = {name: i for i, name in enumerate(JOBS)}
+    ordered = sorted(jobs.values(), key=lambda j: (order.get(j["job"], len(order)), most_processes(j) or 0))
     if len(ordered) == len(run["jobs"]):
         return run
     return {"command": "; ".join(sorted({j["command"] for j in ordered})), "date": max(j["date"] for j in ordered),

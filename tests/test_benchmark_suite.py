@@ -433,6 +433,11 @@ def test_the_autopilot_section_holds_the_schema_and_judges_the_pick_against_the_
     assert [j["job"] for j in merged["jobs"]] == ["main", "vocab"] and merged["jobs"][1]["pick_over_best"] == 1.05
     assert merged["jobs"][0]["date"] == "2026-11-27" and merged["date"] == "2026-11-28"
     assert merged["command"] == "autopilot.py --jobs vocab; python benchmarks/autopilot.py"
+    # A run of the same job up to 4 processes is a job of its own, after the one of the machine's cores.
+    wider = {**jobs[0], "overrides": ["layout.processes=4"], "date": "2026-11-29", "command": "--override"}
+    merged = autopilot.merge_jobs(merged, {"command": "--override", "date": "2026-11-29", "jobs": [wider]})
+    assert [autopilot.job_label(j) for j in merged["jobs"]] == ["main", "main, up to 4 processes", "vocab"]
+    assert autopilot.section([wider], "c", "d")["rows"][0]["job"] == "main, up to 4 processes"
 
     assert "vocab: strategy.memory_per_process=1.1 (one run of each candidate)" in section["setup"]
 

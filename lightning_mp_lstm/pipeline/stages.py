@@ -241,7 +241,8 @@ class Stage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         # Sharded replicas, the last microbatch: FSDP's own hooks reduce-scatter each block's summed gradient as its
         # backward ends (overlapped with the blocks before it) and free its gathered parameters and whole gradient;
-        # torch's stage would keep them all until after the backward pass (its later reduction then finds none).
+        # torch's stage would keep them all until after the backward pass (its later reduction, or a multi-stage
+        # schedule's REDUCE_GRAD action, then finds none).
         self.submod.set_is_last_backward(True)
         self.submod.set_reshard_after_backward(True)
         self.submod.set_requires_gradient_sync(True)

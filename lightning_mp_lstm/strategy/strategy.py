@@ -110,8 +110,8 @@ class MPLSTMStrategy(ParallelStrategy):
             (:class:`~lightning_mp_lstm.strategy.stopping.StopOnSignal`, added to the Trainer); ``()``: Lightning's
             handling.
         shard_replicas: shard each stage's parameters, gradients and optimizer state over its replicas with torch's
-            FSDP2 (ZeRO-3 over ``data_parallel_size``; :mod:`~lightning_mp_lstm.pipeline.sharding`): one stage per
-            process (GPipe or 1F1B), no tensor parallelism, equal replicas, float32 parameters.
+            FSDP2 (ZeRO-3 over ``data_parallel_size``; :mod:`~lightning_mp_lstm.pipeline.sharding`): GPipe, 1F1B,
+            Interleaved1F1B or LoopedBFS, no tensor parallelism, equal replicas, float32 parameters.
     """
 
     strategy_name = "mp_lstm"
