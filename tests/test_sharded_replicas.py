@@ -14,12 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
 from lightning_mp_lstm.base import allocator
 from lightning_mp_lstm.checkpoint import read_checkpoint
+from lightning_mp_lstm.pipeline.sharding import sharded_modules
 from lightning_mp_lstm.planning.layout import LayoutError
 from lightning_mp_lstm.strategy import strategy as strategy_module
 from tests.helpers import (
@@ -50,12 +53,15 @@ def _fit(strategy: Any, devices: int, tied: bool = False, rows: int = 8, accumul
          checkpoint: str | None = None, resume: str | None = None, steps: int = STEPS) -> dict:
     warnings.filterwarnings("ignore")
     thresholds: list[tuple[int, ...]] = []
-    set_threshold = strategy_module.return_freed_memory
+    set_threshold, reduce_scatter = strategy_module.return_freed_memory, dist.reduce_scatter_single
     strategy_module.return_freed_memory = lambda *t: thresholds.append(t) or set_threshold(*t)
+    scatters = []  # FSDP's gradient reduce-scatters
+    dist.reduce_scatter_single = lambda *a, **k: scatters.append(1) or reduce_scatter(*a, **k)
     try:
-        return _fit_recorded(strategy, devices, tied, rows, accumulate, checkpoint, resume, steps, thresholds)
+        return {**_fit_recorded(strategy, devices, tied, rows, accumulate, checkpoint, resume, steps, thresholds),
+                "reduce_scatters": len(scatters)}
     finally:
-        strategy_module.return_freed_memory = set_threshold
+        strategy_module.return_freed_memory, dist.reduce_scatter_single = set_threshold, reduce_scatter
 
 
 def _fit_recorded(strategy: Any, devices: int, tied: bool, rows: int, accumulate: int, checkpoint: str | None,
@@ -80,7 +86,20 @@ def _fit_recorded(strategy: Any, devices: int, tied: bool, rows: int, accumulate
         "whole": sum(p.numel() for p in held),
         "state_held": sum(v.to_local().numel() if isinstance(v, DTensor) else v.numel() for v in state),
         "sharded": all(isinstance(p, DTensor) for p in held), "thresholds": thresholds,
+        "units": _units_with_parameters(trainer.strategy),
     }
+
+
+def _units_with_parameters(strategy: Any) -> int:
+    """The FSDP units of this process that hold parameters of their own (each reduce-scatters its gradients)."""
+    if not isinstance(strategy, MPLSTMStrategy) or not strategy.engine.sharded:
+        return 0
+
+    def owns_parameters(unit: torch.nn.Module) -> bool:
+        inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+        return any(id(p) not in inner for p in unit.parameters())
+
+    return sum(owns_parameters(unit) for unit in sharded_modules(strategy.engine.stage_modules.values()))
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +147,23 @@ def test_sharded_replicas_of_a_tied_pipeline_equal_one_process():
 
 @pytest.mark.timeout(300)
 @pytest.mark.processes
-@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS"])
-def test_sharded_replicas_of_several_stages_per_process_equal_one_process(reference, schedule):
+@pytest.mark.parametrize("schedule", [
+    dict(schedule="Interleaved1F1B", stages_per_rank=2, n_microbatches=2),
+    dict(schedule="LoopedBFS", stages_per_rank=2, n_microbatches=2),
+    dict(schedule="Wavefront", n_microbatches=2, time_chunks=3),
+], ids=["Interleaved1F1B", "LoopedBFS", "Wavefront"])
+def test_sharded_replicas_of_looped_and_wavefront_schedules_equal_one_process(reference, schedule):
     """Torch's schedules of two stages per process gather, reshard and reduce each stage's FSDP units themselves
-    (its ``REDUCE_GRAD`` action finds the last backward's gradients reduced already)."""
-    layout = dict(data_parallel_size=2, pipeline_parallel_size=2, stages_per_rank=2, schedule=schedule,
-                  n_microbatches=2, shard_replicas=True)
+    (their ``REDUCE_GRAD`` action finds the last backward's gradients reduced already); the wavefront's own loop
+    reduces after each stage's last unit of rows x time chunks (the LSTM state carried over the chunks)."""
+    layout = dict(data_parallel_size=2, pipeline_parallel_size=2, shard_replicas=True, **schedule)
     results = assert_split_equals_one_process(_fit, 4, layout, reference, STEPS)
     assert all(r["sharded"] for r in results)
     assert all(r["held"] <= r["whole"] // 2 + 8 * 2 for r in results)
+    # Each block reduce-scatters once a step, after its stage's last backward, not once per unit (rows x chunks).
+    # (Without it the wavefront's second unit found its blocks' gathered parameters freed.)
+    assert [r["reduce_scatters"] for r in results] == [STEPS * r["units"] for r in results]
+    assert all(r["units"] > 0 for r in results)
 
 
 def _curve(result: dict) -> list[float]:
@@ -174,7 +201,6 @@ def test_what_sharded_replicas_cannot_run_is_refused_by_name(kwargs, named):
 
 
 @pytest.mark.parametrize(("kwargs", "trainer_kwargs", "named"), [
-    (dict(schedule="Wavefront", time_chunks=2), {}, "schedule='Wavefront'"),
     (dict(schedule="ZBVZeroBubble", stages_per_rank=2), {}, "schedule='ZBVZeroBubble'.*allowed: GPipe, 1F1B, "),
     ({}, dict(precision="bf16-true"), "precision='bf16-true'"),
     (dict(verify=True), {}, "verify=True"),

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-__all__ = ["largest_share", "reshard", "shard_stages", "sharded_modules"]
+__all__ = ["largest_share", "reduce_after_this_backward", "reshard", "shard_stages", "sharded_modules"]
 
 
 # The stages hand their outputs to torch's schedules, which never change them in place (what the warning is about).
@@ -81,6 +81,16 @@ def shard_stages(stage_modules: Iterable[nn.Module], mesh: DeviceMesh, owners: n
 def sharded_modules(stage_modules: Iterable[nn.Module]) -> list[FSDPModule]:
     """Every FSDP unit inside ``stage_modules`` (the blocks and the stage roots)."""
     return [module for stage in stage_modules for module in stage.modules() if isinstance(module, FSDPModule)]
+
+
+def reduce_after_this_backward(stage: nn.Module, last: bool) -> None:
+    """Tell a sharded ``stage`` (no-op for another) whether the backward about to run is its last of the step: only
+    after that one do its FSDP units reduce-scatter the summed gradients and free what they gathered; before it they
+    add whole gradients up (what torch's ``PipelineStage`` does for its schedules, for a loop of this library's)."""
+    if isinstance(stage, FSDPModule):
+        stage.set_requires_gradient_sync(last)
+        stage.set_is_last_backward(last)
+        stage.set_reshard_after_backward(last)
 
 
 def reshard(stage_modules: Iterable[nn.Module]) -> None:

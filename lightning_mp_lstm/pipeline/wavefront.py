@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mp_lstm.pipeline.sharding import reduce_after_this_backward
 from lightning_mp_lstm.pipeline.stages import StageModule
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.timeline.recorder import RECORDER
@@ -206,6 +207,7 @@ class WavefrontSchedule:
                     if leaf.grad is not None:
                         tensors.append(tensor)
                         grads.append(leaf.grad)
+        reduce_after_this_backward(self.stages[s], last=u == 0)  # units run backward last to first
         with RECORDER.span("backward", s, u):
             if unit.out is not None and unit.out.requires_grad:
                 torch.autograd.backward(tensors, grads)

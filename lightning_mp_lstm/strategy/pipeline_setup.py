@@ -34,7 +34,7 @@ from lightning_mp_lstm.models.module_audit import NotReproducedWarning, audit, p
 from lightning_mp_lstm.pipeline.engine import PipelineEngine, ProcessGroups, build_engine
 from lightning_mp_lstm.pipeline.sharding import shard_stages
 from lightning_mp_lstm.pipeline.tied import TiedWeights
-from lightning_mp_lstm.planning.layout import LayoutError, ParallelLayout, schedule_style
+from lightning_mp_lstm.planning.layout import WAVEFRONT, LayoutError, ParallelLayout, schedule_style
 from lightning_mp_lstm.planning.memory import MemoryPlanError
 from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions, make_plan, microbatch_candidates
 from lightning_mp_lstm.strategy.memory_check import check_memory
@@ -43,9 +43,9 @@ from lightning_mp_lstm.strategy.precision import REFUSED_PRECISIONS
 
 #: The precisions ``shard_replicas=True`` runs with (a "true" low precision converts the parameters after sharding).
 SHARDED_PRECISIONS = ("32-true", "bf16-mixed")
-#: The schedules ``shard_replicas=True`` runs with: torch's whose backward pass is whole. A split one (zero bubble,
+#: The schedules ``shard_replicas=True`` runs with: those whose backward pass is whole. A split one (zero bubble,
 #: DualPipeV) computes weight gradients of ``parameters()``, which FSDP's blocks hold as shards between their runs.
-SHARDED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+SHARDED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", WAVEFRONT)
 
 __all__ = ["SHARDED_PRECISIONS", "SHARDED_SCHEDULES", "assemble_engine", "check_automatic_optimization",
            "check_callbacks", "check_run", "check_sharded_precision", "check_sharded_verify", "check_sharding",
@@ -232,12 +232,12 @@ def check_run(
 
 
 def check_sharding(layout: ParallelLayout, precision: str | None) -> None:
-    """Refuse, by name, what ``shard_replicas=True`` cannot run with: its FSDP units run through torch's schedules
-    whose backward pass is whole (a split one asks each block for gradients of the parameters it holds between
-    steps, which are shards), and parameters keep the dtype they were sharded in."""
+    """Refuse, by name, what ``shard_replicas=True`` cannot run with: its FSDP units run through schedules whose
+    backward pass is whole (a split one asks each block for gradients of the parameters it holds between steps,
+    which are shards), and parameters keep the dtype they were sharded in."""
     if schedule_style(layout.schedule)[0] not in SHARDED_SCHEDULES:
-        raise LayoutError(f"shard_replicas=True with schedule={layout.schedule!r}: sharded replicas run torch's "
-                          f"schedules whose backward pass is whole; allowed: {', '.join(SHARDED_SCHEDULES)}")
+        raise LayoutError(f"shard_replicas=True with schedule={layout.schedule!r}: sharded replicas run schedules "
+                          f"whose backward pass is whole; allowed: {', '.join(SHARDED_SCHEDULES)}")
     check_sharded_precision(precision)
 
 
