@@ -151,6 +151,25 @@ def test_replicas_that_shard_pay_a_third_transfer_and_are_timed_with_their_memor
         assert difference == pytest.approx(0.5 * nbytes / bandwidth + extra, rel=1e-9)
 
 
+def test_a_sharded_wavefront_gathers_each_block_once_per_unit_and_once_more_for_the_backward(block_times):
+    """The wavefront runs every unit's forward first (each gathers the block and reshards it after) and keeps a block
+    gathered from its first backward to its last: ``m x k + 1`` gathers and one reduce-scatter a step, where
+    replicas that do not shard all-reduce once (twice the bytes of one gather)."""
+    model = tiny_model(num_layers=2)
+    parameters = pipeline_model(model).analytic_costs("parameters", 1, 10)
+    bandwidth = 1e6
+    calibration = Calibration(((1, 1.0), (2, 1.0), (4, 1.0)), bandwidth)
+    plain = {c.name: c for c in advice.advise(model, [4], 16, 10, CPU, calibration, cores=4)}
+    sharded = {c.name: c for c in advice.advise(model, [4], 16, 10, CPU, calibration, cores=4, sharded=True)}
+    wavefront = next(c for name, c in sharded.items() if name.startswith("dp2 x pp2 sharded wavefront"))
+    assert wavefront.sharded and wavefront.time_chunks > 1
+    same = plain[wavefront.name.replace(" sharded", "")]
+    units = wavefront.n_microbatches * wavefront.time_chunks
+    nbytes = max(4 * sum(parameters[b] for b in stage) for stage in wavefront.partition)
+    difference = wavefront.predicted_seconds - same.predicted_seconds
+    assert difference == pytest.approx(units * 0.5 * nbytes / bandwidth, rel=1e-9)
+
+
 def test_a_layout_whose_plan_leaves_little_room_is_timed_with_its_freed_memory_returned(monkeypatch):
     """Such a process's steps return every freed buffer of 1 MiB or more (base.allocator.steady_threshold), which
     costs them page faults: its blocks are timed that way (here: twice as slow)."""

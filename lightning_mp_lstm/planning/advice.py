@@ -262,9 +262,9 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
             microbatches); empty: none. Block times at the shortest chunk are measured too, and each block's time is
             taken as linear in the length between the two (:class:`~lightning_mp_lstm.planning.plan.ChunkCost`).
         sharded: instead, the candidates whose replicas shard their stages (``shard_replicas=True``): every layout
-            with replicas on GPipe or 1F1B, its blocks timed with freed memory returned as those steps run it
-            (:func:`~lightning_mp_lstm.base.allocator.freed_memory_returned`), and sharding's collectives in place
-            of the gradients' all-reduce (:func:`shard_seconds`).
+            with replicas on GPipe or 1F1B and on the wavefront, its blocks timed with freed memory returned as
+            those steps run it (:func:`~lightning_mp_lstm.base.allocator.freed_memory_returned`), and sharding's
+            collectives in place of the gradients' all-reduce (:func:`shard_seconds`).
         memory_returned: time the blocks with freed memory returned, as the steps of a process whose memory plan
             leaves little room run them (:func:`~lightning_mp_lstm.base.allocator.steady_threshold`).
         only: the ``(replicas, stages)`` pairs to consider (one process is ``(1, 1)``); ``None``: all.
@@ -278,7 +278,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
     names = list(model.block_names)
     parameters = model.analytic_costs("parameters", 1, length)
     cache: dict[tuple[int, int], dict[str, float]] = {}
-    chunks = [] if sharded else sorted({k for k in time_chunks if 1 < k <= length})
+    chunks = sorted({k for k in time_chunks if 1 < k <= length})
     short = -(-length // chunks[-1]) if chunks else length
 
     def times(rows: int, steps: int = length) -> dict[str, float]:
@@ -308,7 +308,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
                 steps = -(-length // k)
                 transfer = max(2 * _block_bytes(model, stage[0], rows // m, steps) / calibration.bandwidth
                                for stage in partition[1:])
-                if memory_returned:
+                if memory_returned or sharded:
                     # Returned memory costs a block more at some lengths than at others (the 50,000-word decoder:
                     # 25 % at 25 tokens, nothing at 13), which a line between two lengths misses: each is timed.
                     own = times(rows // m, steps)
@@ -317,11 +317,11 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
                 else:
                     crowded, quiet = ([c.seconds(steps) + transfer for c in kind] for kind in costs)
                 seconds = crowded_step_time(crowded, quiet, m * k)
-                seconds += max(gradient_sync_seconds(stage, dp) for stage in partition)
+                seconds += max(gradient_sync_seconds(stage, dp, m * k, fill_drain=True) for stage in partition)
                 seconds += calibration.step_cost(dp, pp, m * k)
                 if best is None or seconds < best.predicted_seconds:
                     best = Candidate(f"{prefix} wavefront, m={m} x k={k}", dp, pp, m, tuple(map(tuple, partition)),
-                                     threads, seconds, time_chunks=k)
+                                     threads, seconds, time_chunks=k, sharded=sharded)
         return best
 
     def accumulate_seconds(blocks: Sequence[str]) -> float:
@@ -330,20 +330,22 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
         takes ``b / (2 x bandwidth)``)."""
         return 3 * sum(parameters[b] for b in blocks) / calibration.bandwidth
 
-    def gradient_sync_seconds(blocks: Sequence[str], replicas: int, microbatches: int = 1) -> float:
+    def gradient_sync_seconds(blocks: Sequence[str], replicas: int, microbatches: int = 1,
+                              fill_drain: bool = False) -> float:
         """Seconds ``replicas`` spend on ``blocks``' gradients in a step: an all-reduce, or sharding's gathers and
-        reduce-scatter (:func:`shard_seconds`)."""
+        reduce-scatter (:func:`shard_seconds`; ``fill_drain``: every forward before every backward)."""
         if replicas == 1:
             return 0.0
         nbytes = 4 * sum(parameters[b] for b in blocks)
         if sharded:
-            return shard_seconds(nbytes, replicas, gathers(microbatches), calibration)
+            return shard_seconds(nbytes, replicas, gathers(microbatches, fill_drain), calibration)
         return 2 * (replicas - 1) / replicas * nbytes / calibration.bandwidth
 
-    def gathers(microbatches: int) -> int:
+    def gathers(microbatches: int, fill_drain: bool) -> int:
         """Gathers of a sharded block per step: before each forward (it reshards after it) and before the first
-        backward; under 1F1B a forward between two backwards reshards it, so every backward gathers again."""
-        return microbatches + 1 if schedule == "GPipe" or microbatches == 1 else 2 * microbatches
+        backward (it stays gathered until the last); under 1F1B a forward between two backwards reshards it, so
+        every backward gathers again. GPipe and the wavefront run every forward first."""
+        return microbatches + 1 if fill_drain or schedule == "GPipe" or microbatches == 1 else 2 * microbatches
 
     candidates = [] if sharded or (only is not None and (1, 1) not in only) else [
         Candidate(f"1 process ({cores} threads)", 1, 1, 1, (tuple(names),), cores,
@@ -396,7 +398,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
         if best is not None:
             candidates.append(best)
         if chunks:
-            option = wavefront(f"dp{dp} x pp{pp}" if dp > 1 else f"pp{pp}", dp, pp, rows, speeds, threads)
+            option = wavefront(f"dp{dp} x pp{pp}{label}" if dp > 1 else f"pp{pp}", dp, pp, rows, speeds, threads)
             if option is not None:
                 candidates.append(option)
     return sorted(candidates, key=lambda c: c.predicted_seconds)

@@ -111,7 +111,7 @@ class MPLSTMStrategy(ParallelStrategy):
             handling.
         shard_replicas: shard each stage's parameters, gradients and optimizer state over its replicas with torch's
             FSDP2 (ZeRO-3 over ``data_parallel_size``; :mod:`~lightning_mp_lstm.pipeline.sharding`): GPipe, 1F1B,
-            Interleaved1F1B or LoopedBFS, no tensor parallelism, equal replicas, float32 parameters.
+            Interleaved1F1B, LoopedBFS or Wavefront, no tensor parallelism, equal replicas, float32 parameters.
     """
 
     strategy_name = "mp_lstm"
