@@ -317,26 +317,36 @@ def test_a_data_module_that_does_not_say_its_batch_shape_keeps_the_layout(compos
     assert "the data module (SimpleNamespace) does not say its batch size" in capsys.readouterr().out
 
 
-def test_the_calibration_measures_every_thread_count_a_candidate_runs_on(block_times, monkeypatch):
+def test_the_calibration_measures_every_thread_count_a_candidate_runs_on_after_the_floor_is_read(block_times,
+                                                                                                monkeypatch):
     """On 16 cores, 4 processes run 4 threads each: measured only at 1 and 16 threads, their speed-up was taken as
     one thread's, and every 4-process candidate was predicted 1.3-1.7x too slow (a lent machine, 2026-11-28)."""
     assert app_autopilot.candidate_threads(16, [1, 2, 4]) == [4, 8, 16]
     assert app_autopilot.candidate_threads(2, [1, 2]) == [1, 2]
     assert app_autopilot.candidate_threads(3, [2]) == [1, 3]
-    asked = {}
+    asked, held = {}, [100]
 
     def calibrate(model, rows, length, device, threads=(), processes=()):
         asked.update(threads=list(threads), processes=list(processes))
+        held.append(10**9)  # what the timing runs leave in the heap
         return Calibration(tuple((t, float(t)) for t in {1, *threads}), float("inf"))
 
+    def rank_layouts(*args, floor=0, **kwargs):
+        asked["floor"] = floor
+        return real_rank_layouts(*args, floor=floor, **kwargs)
+
+    real_rank_layouts = app_autopilot.rank_layouts
     monkeypatch.setattr(app_autopilot, "calibrate", calibrate)
+    monkeypatch.setattr(app_autopilot, "process_floor", lambda: held[-1])
+    monkeypatch.setattr(app_autopilot, "rank_layouts", rank_layouts)
     monkeypatch.setattr(app_autopilot, "step_costs", lambda counts: {})
     monkeypatch.setattr(app_autopilot, "cpu_cores", lambda: 16)
     datamodule = SimpleNamespace(mean_padded_length=10, batch_size=32, bucket_lengths=[10])
     strategy = SimpleNamespace(memory_budget=lambda device, processes: (None, "no budget"),
                                may_shard=lambda precision: False)
     ranked, table = app_autopilot.rank_layouts_for(strategy, tiny_model(), datamodule, [2, 4])
-    assert asked == {"threads": [4, 8, 16], "processes": [2, 4]}
+    # The floor is what the process held before it timed anything.
+    assert asked == {"threads": [4, 8, 16], "processes": [2, 4], "floor": 100}
     assert "dp4" in table and "on 16 cores" in table
 
 
