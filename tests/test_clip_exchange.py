@@ -129,3 +129,27 @@ def test_a_step_that_raises_answers_the_receives_it_posted():
     with pytest.raises(FloatingPointError):
         plugin.optimizer_step(optimizer, module, closure)
     assert plugin.engine.calls == ["expect", "cancel"]
+
+
+def _sum_worker(rank: int, world_size: int) -> list[torch.Tensor]:
+    from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    weights = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5)),
+               torch.nn.Parameter(torch.zeros(2))]
+    weights[0].grad = torch.arange(12.0).reshape(4, 3).t() * (rank + 1)  # not contiguous
+    weights[1].grad = torch.full((5,), float(rank + 1))
+    all_reduce_gradients(weights, dist.group.WORLD)
+    dist.destroy_process_group()
+    return [w.grad for w in weights[:2]] + [weights[2].grad]
+
+
+@pytest.mark.processes
+def test_replicas_sum_every_gradient_in_place_a_non_contiguous_one_too():
+    """The gradients' all-reduces are posted at once, each on its own tensor (no flat copy); a gradient that is not
+    contiguous is reduced through a contiguous copy and written back; a parameter without one is left alone."""
+    results = run_ranks(_sum_worker, 2, timeout=90)
+    for grads in results:
+        torch.testing.assert_close(grads[0], torch.arange(12.0).reshape(4, 3).t() * 3, rtol=0, atol=0)
+        torch.testing.assert_close(grads[1], torch.full((5,), 3.0), rtol=0, atol=0)
+        assert grads[2] is None

@@ -19,7 +19,8 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-    """Sum the gradients of ``parameters`` over ``group`` in one flat all-reduce.
+    """Sum the gradients of ``parameters`` over ``group``, each in place, every all-reduce posted before the first
+    wait.
 
     Called once per optimizer step across data-parallel replicas: each replica's loss is already divided by the
     global token count, so the sum is the gradient of the global batch's mean loss. A sharded (tensor-parallel)
@@ -28,12 +29,16 @@ def all_reduce_gradients(parameters: Iterable[nn.Parameter], group: dist.Process
     grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
     if not grads or group is None or dist.get_world_size(group) == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    # No flat copy: on 2 CPU processes (gloo), MXNet's 16 M gradients took 131-146 ms as one flat all-reduce with its
+    # two copies, 117-124 ms one by one, and 72-74 ms all posted at once (the transport overlaps them).
+    posted = []
+    for grad in grads:
+        buffer = grad if grad.is_contiguous() else grad.contiguous()
+        posted.append((grad, buffer, dist.all_reduce(buffer, group=group, async_op=True)))
+    for grad, buffer, work in posted:
+        work.wait()
+        if buffer is not grad:
+            grad.copy_(buffer)
 
 
 def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
