@@ -21,6 +21,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from typing_extensions import override
 
 from lightning_mp_lstm.models.blocks import TimeChunk
+from lightning_mp_lstm.pipeline.sharding import reduce_after_this_backward
 from lightning_mp_lstm.timeline.recorder import RECORDER
 
 __all__ = ["PRIVATE_API", "ContiguousGrad", "Stage", "StageModule", "StageRandomness"]
@@ -243,9 +244,7 @@ class Stage(PipelineStage):
         # backward ends (overlapped with the blocks before it) and free its gathered parameters and whole gradient;
         # torch's stage would keep them all until after the backward pass (its later reduction, or a multi-stage
         # schedule's REDUCE_GRAD action, then finds none).
-        self.submod.set_is_last_backward(True)
-        self.submod.set_reshard_after_backward(True)
-        self.submod.set_requires_gradient_sync(True)
+        reduce_after_this_backward(self.submod, last=True)
         return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
 
     # The timeline (lightning_mp_lstm.timeline): spans of computation, tags on the point-to-point operations.
