@@ -153,7 +153,7 @@ def fit_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def advice_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
-    """``advice.calibrate`` and ``advice.advise`` for ``job["devices"]`` processes on ``job["cores"]`` cores.
+    """``calibration.calibrate`` and ``advice.advise`` for ``job["devices"]`` processes on ``job["cores"]`` cores.
 
     Returns:
         The calibration, the candidates (as dictionaries) and the padded length they were predicted for.
@@ -162,7 +162,8 @@ def advice_job(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any
 
     from lightning_mp_lstm import LSTMLanguageModel
     from lightning_mp_lstm.app.autopilot import candidate_threads
-    from lightning_mp_lstm.planning.advice import advise, calibrate
+    from lightning_mp_lstm.planning.advice import advise
+    from lightning_mp_lstm.planning.calibration import calibrate
 
     data = _datamodule(job["data"])
     with torch.device("meta"):

@@ -130,8 +130,8 @@ def autopilot_pick(setup: Setup) -> tuple[dict[str, Any], str, int]:
     from dataclasses import replace
 
     from lightning_mp_lstm.app.step_cost import step_costs
-    from lightning_mp_lstm.planning.advice import calibrate
     from lightning_mp_lstm.planning.autopilot import choose, rank_layouts, render_ranking
+    from lightning_mp_lstm.planning.calibration import calibrate
 
     model, device, cores = model_of(setup), torch.device("cpu"), 2
     calibration = calibrate(model, setup.rows, setup.length, device, threads=(cores,), processes=[2])

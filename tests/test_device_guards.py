@@ -42,7 +42,8 @@ from lightning_mp_lstm.pipeline.engine import PipelineEngine, split_model
 from lightning_mp_lstm.pipeline.stages import StageRandomness
 from lightning_mp_lstm.planning import advice as advice_module
 from lightning_mp_lstm.planning import layout
-from lightning_mp_lstm.planning.advice import Calibration, advise, calibrate
+from lightning_mp_lstm.planning.advice import advise
+from lightning_mp_lstm.planning.calibration import Calibration, calibrate
 from lightning_mp_lstm.planning.layout import ParallelLayout, _timeout_options
 from lightning_mp_lstm.strategy import collectives
 from lightning_mp_lstm.strategy import strategy as strategy_module

@@ -34,7 +34,7 @@ from lightning_mp_lstm import DivergenceGuard, MPLSTMStrategy
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.checkpoint import consolidate, read_checkpoint
 from lightning_mp_lstm.models.blocks import DecoderBlock
-from lightning_mp_lstm.planning import advice
+from lightning_mp_lstm.planning import calibration
 from tests.helpers import FixedBatches, TrainLosses, assert_same_training, run_ranks, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -162,7 +162,7 @@ def test_a_training_step_reads_the_device_only_for_its_loss():
 
 def test_the_advice_refuses_a_cuda_device():
     with pytest.raises(ValueError, match="benchmarks/run.py --device cuda"):
-        advice.check_device(torch.device("cuda", 0))
+        calibration.check_device(torch.device("cuda", 0))
 
 
 # ----- precision: bf16-mixed against float32; float16 refused ----------------------------------------------------

@@ -27,7 +27,8 @@ from lightning_mp_lstm.models.lstm_language_model import token_loss_sum
 from lightning_mp_lstm.pipeline.wavefront import chunk_lengths
 from lightning_mp_lstm.planning import advice, report
 from lightning_mp_lstm.planning import plan as plan_module
-from lightning_mp_lstm.planning.advice import Calibration, advise
+from lightning_mp_lstm.planning.advice import advise
+from lightning_mp_lstm.planning.calibration import Calibration
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.planning.plan import ChunkCost, PlanOptions, chunk_candidates, make_plan, step_time
 from tests.helpers import (

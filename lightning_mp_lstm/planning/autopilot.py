@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from lightning_mp_lstm.base.allocator import leaves_little_room
-from lightning_mp_lstm.planning.advice import Calibration, Candidate, advise
+from lightning_mp_lstm.planning.advice import Candidate, advise
+from lightning_mp_lstm.planning.calibration import Calibration
 from lightning_mp_lstm.planning.layout import WAVEFRONT, ParallelLayout
 from lightning_mp_lstm.planning.memory import GIB, MIB, BatchShape, MemoryPlan, ModelMemory, plan_memory
 
