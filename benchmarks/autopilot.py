@@ -149,15 +149,17 @@ def section(results: list[dict[str, Any]], command: str, date: str) -> dict[str,
         goals.append(_goal(f"{job_label(job)}: largest |predicted / measured - 1|", max(abs(e - 1) for e in errors),
                            0.25, "<="))
     jobs = "; ".join(f"{job_label(job)}: {' '.join(job['overrides']) or 'python train.py as it is'} "
-                     f"({_runs(job.get('rounds', 1))})" for job in results)
+                     f"({_runs(job.get('rounds', 1))}, {job.get('date', date)})" for job in results)
     return {"title": "The autopilot (layout=auto): predicted against measured",
             "setup": (f"{command}: every layout of up to the machine's cores (a job's layout.processes where it "
                       "sets them) ranked as layout=auto ranks it (step "
-                      "times from blocks timed on the machine, its thread speed-up and crowding, and the step "
-                      "costs of each layout kind measured with a near-zero model), the memory plan's peak per "
+                      "times from blocks timed on the machine, its thread speed-up and crowding, the optimizer "
+                      "step per parameter, and the step costs of each layout kind and the replicas' collectives "
+                      "measured with a near-zero model), the memory plan's peak per "
                       "process; then every candidate that fits run by hand with train.py, the mean step from "
                       "the 6th on (each bucket's first left out); where a candidate ran several times, the "
-                      f"candidates taking turns, the median of its runs. Jobs: {jobs}. Measured {date}. "
+                      f"candidates taking turns, the median of its runs. Jobs (each with the date it was measured): "
+                      f"{jobs}. "
                       "docs/autopilot.md."),
             "rows": rows, "goals": goals}
 

@@ -439,7 +439,8 @@ def test_the_autopilot_section_holds_the_schema_and_judges_the_pick_against_the_
     assert [autopilot.job_label(j) for j in merged["jobs"]] == ["main", "main, up to 4 processes", "vocab"]
     assert autopilot.section([wider], "c", "d")["rows"][0]["job"] == "main, up to 4 processes"
 
-    assert "vocab: strategy.memory_per_process=1.1 (one run of each candidate)" in section["setup"]
+    # Each job says when it was measured (one without a date: the run's).
+    assert "vocab: strategy.memory_per_process=1.1 (one run of each candidate, 2026-11-28)" in section["setup"]
 
 
 def test_the_autopilot_benchmark_runs_its_candidates_in_turns_and_takes_each_ones_median(monkeypatch):
@@ -469,7 +470,7 @@ def test_the_autopilot_benchmark_runs_its_candidates_in_turns_and_takes_each_one
     assert [r.get("measured_s") for r in job["rows"]] == [2.0, 4.0, None]
     assert job["rows"][0]["measured_rounds"] == [5.0, 1.0, 2.0] and job["rounds"] == 3
     assert job["pick"] == "dp2" and job["best"] == "dp2" and job["pick_over_best"] == 1.0
-    assert "main: python train.py as it is (the median of 3 runs of each candidate)" in autopilot.section(
+    assert "main: python train.py as it is (the median of 3 runs of each candidate, " in autopilot.section(
         [job], "python benchmarks/autopilot.py", "2026-11-28")["setup"]
 
 
