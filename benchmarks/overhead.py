@@ -319,7 +319,7 @@ def main() -> None:
           "timed steps each")
     print(f"bare pipelining loop : {summary['bare_tokens_per_s']:,.0f} tokens/s")
     print(f"MPLSTMStrategy fit   : {summary['strategy_tokens_per_s']:,.0f} tokens/s")
-    print(f"ratio strategy/bare  : {summary['ratio']:.3f}  (goal >= 0.99)")
+    print(f"ratio strategy/bare  : {summary['ratio']:.3f}  (goal >= 0.97)")
     for result in per_rank:
         mine = result["strategy_outside"]
         print(f"rank {result['rank']}: outside the schedule, bare {1e3 * result['bare_outside']:.1f} ms; strategy "
