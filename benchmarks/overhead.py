@@ -54,11 +54,15 @@ from lightning_mp_lstm.models.optimizer_kernels import kernel_options  # noqa: E
 from lightning_mp_lstm.pipeline.stages import ContiguousGrad  # noqa: E402
 from lightning_mp_lstm.planning.partition import even_partition  # noqa: E402
 
-__all__ = ["LAYOUTS", "Setup", "bare_loop", "batches", "compare", "model_of", "round_orders", "start_rank",
+__all__ = ["GOAL", "LAYOUTS", "Setup", "bare_loop", "batches", "compare", "model_of", "round_orders", "start_rank",
            "strategy_fit", "summarize"]
 
 #: Layouts compared: their number of data-parallel replicas of a 2-stage pipeline.
 LAYOUTS = {"pp2": 1, "dp2_pp2": 2}
+
+#: The goal for mp_lstm / the bare loop, tokens per second (issue 44's restatement of the earlier 0.99 against what
+#: the bare loop itself reaches on the 2-core box).
+GOAL = 0.97
 
 
 @dataclass(frozen=True)
@@ -319,7 +323,7 @@ def main() -> None:
           "timed steps each")
     print(f"bare pipelining loop : {summary['bare_tokens_per_s']:,.0f} tokens/s")
     print(f"MPLSTMStrategy fit   : {summary['strategy_tokens_per_s']:,.0f} tokens/s")
-    print(f"ratio strategy/bare  : {summary['ratio']:.3f}  (goal >= 0.97)")
+    print(f"ratio strategy/bare  : {summary['ratio']:.3f}  (goal >= {GOAL})")
     for result in per_rank:
         mine = result["strategy_outside"]
         print(f"rank {result['rank']}: outside the schedule, bare {1e3 * result['bare_outside']:.1f} ms; strategy "

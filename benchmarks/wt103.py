@@ -206,9 +206,11 @@ def main() -> None:
     if errors:
         print(f"memory plan: predicted / measured VmHWM - 1 from {min(errors):+.1%} to {max(errors):+.1%} "
               "(goal within 20 %)")
-    if args.json:
-        args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "corpus": str(args.corpus),
-                                         "runs": runs}, indent=2))
+    if args.json:  # no folder of this machine's in a file the repository keeps
+        kept = json.dumps({"date": time.strftime("%Y-%m-%d"), "corpus": "<corpus>", "runs": runs}, indent=2)
+        for folder, name in ((scratch, "<scratch>"), (cache, "<cache>"), (args.corpus, "<corpus>")):
+            kept = kept.replace(str(folder), name)
+        args.json.write_text(kept)
     if args.results:
         results = json.loads(args.results.read_text())
         results["sections"]["wikitext103"] = section(runs, time.strftime("%Y-%m-%d"))

@@ -186,3 +186,79 @@ def test_a_pipeline_adds_up_each_microbatch_s_gradients_at_the_machine_s_copy_sp
     per_rank = [sum(per_row[b] * rows for b in stage) + 3 * sum(parameters[b] for b in stage) / bandwidth + transfer
                 for stage in pp2.partition]
     assert pp2.predicted_seconds == pytest.approx(step_time(per_rank, pp2.n_microbatches))
+
+
+def test_a_backward_fills_each_gradient_above_the_mmap_threshold_afresh_every_microbatch(monkeypatch):
+    """A gradient too large for glibc to keep in its heap is new memory at every backward: one process and replicas
+    fill it once a step, a pipeline's stage once per microbatch, at the measured first-touch speed; sharded replicas
+    pay it in their collectives' buffers, and an unmeasured speed charges nothing."""
+    per_row = {"embedding": 0.001, "lstm.0": 0.004, "lstm.1": 0.004, "decoder": 0.003}
+    _fake_times(monkeypatch, per_row)
+    model = tiny_model(num_layers=2)
+    threshold = 4 * 6 * 8  # bytes: the embedding's and the decoder's weights are above it, the LSTM's too
+    monkeypatch.setattr(advice, "STEADY_MMAP_THRESHOLD", threshold)
+    fresh = advice.fresh_gradient_bytes(pipeline_model(model), pipeline_model(model).block_names)
+    large = {name: sum(4 * p.numel() for p in block.parameters() if 4 * p.numel() >= threshold)
+             for name, block in pipeline_model(model).blocks()}
+    assert fresh == large and 0 < fresh["embedding"] < sum(4 * p.numel() for p in model.parameters())
+    touch = 1e6
+    plain = Calibration(((1, 1.0), (2, 1.0)), float("inf"))
+    measured = Calibration(((1, 1.0), (2, 1.0)), float("inf"), first_touch=touch)
+    before = {c.name: c for c in advise(model, 2, 16, 10, CPU, plain, cores=2, time_chunks=())}
+    after = {c.name: c for c in advise(model, 2, 16, 10, CPU, measured, cores=2, time_chunks=())}
+    everything = sum(fresh.values()) / touch
+    assert after["1 process (2 threads)"].predicted_seconds - before["1 process (2 threads)"].predicted_seconds == (
+        pytest.approx(everything))
+    assert after["dp2"].predicted_seconds - before["dp2"].predicted_seconds == pytest.approx(everything)
+    pp2 = next(c for name, c in after.items() if name.startswith("pp2"))
+    rows = 16 // pp2.n_microbatches
+    per_rank = [sum(per_row[b] * rows for b in stage) + sum(fresh[b] for b in stage) / touch
+                for stage in pp2.partition]
+    assert pp2.predicted_seconds == pytest.approx(step_time(per_rank, pp2.n_microbatches))
+    sharded = [advise(model, 2, 16, 10, CPU, c, cores=2, sharded=True)[0] for c in (plain, measured)]
+    assert sharded[0].name == "dp2 sharded" and sharded[1].predicted_seconds > sharded[0].predicted_seconds
+    assert sharded[1].predicted_seconds - sharded[0].predicted_seconds == pytest.approx(
+        advice.shard_seconds(4 * sum(pipeline_model(model).analytic_costs("parameters", 1, 10).values()), 2, 2,
+                             measured) - advice.shard_seconds(
+            4 * sum(pipeline_model(model).analytic_costs("parameters", 1, 10).values()), 2, 2, plain))
+
+
+def test_crowding_is_the_median_of_its_rounds(monkeypatch):
+    """Each round times one worker alone, then all at once; one round's ratio swung 1.00-1.11 for two workers."""
+    import threading
+
+    from lightning_mp_lstm.planning import calibration
+
+    crowded_in_round = iter([1.0, 3.0, 1.5])
+    state = {"factor": 1.0}
+
+    def chain(blocks, rows, length):
+        if threading.current_thread() is threading.main_thread():
+            state["factor"] = next(crowded_in_round)
+            return 0.01
+        return 0.01 * state["factor"]
+
+    monkeypatch.setattr(calibration, "_chain_seconds", chain)
+    assert calibration.CROWDING_ROUNDS == 3
+    assert crowding(processes=2, threads=1, model=tiny_model(num_layers=1), rows=4, length=8) == pytest.approx(1.5)
+
+
+def test_the_copy_speed_is_timed_between_buffers_already_held(monkeypatch):
+    """A copy into memory mapped afresh pays its page faults: the calibration's bandwidth is a copy between two filled
+    buffers (halved for the transport), not the first copy into a new one."""
+    from lightning_mp_lstm.planning import calibration
+
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def recorded(target, source, *args, **kwargs):
+        copies.append((int(target.min()), int(source.min())))
+        return real_copy(target, source, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", recorded)
+    speed = calibration.copy_bandwidth(nbytes=2**20, repeats=3)
+    assert speed > 0 and len(copies) == 3
+    assert copies[0] == (1, 1)  # both written before the first timed copy (untouched memory reads as zeros)
+    monkeypatch.setattr(calibration, "copy_bandwidth", lambda: 8e9)
+    result = calibrate(tiny_model(num_layers=1, hidden_size=8), rows=2, length=4, device=CPU, threads=(1,))
+    assert result.bandwidth == 4e9

@@ -9,8 +9,9 @@ time axis split into chunks, rows x chunks; :mod:`lightning_mp_lstm.pipeline.wav
 them. The step-time model is the plan's (:func:`~lightning_mp_lstm.planning.plan.step_time`, over ``m x k`` units for a
 wavefront; its processes crowded as much as they are busy: :func:`pipeline_speeds`), plus the bytes a layout moves
 between processes, the gradients a pipeline adds up microbatch by microbatch, the replicas' collectives on their
-gradients, each process's optimizer step (and gradient clipping) over the parameters it holds, and what a step of the
-layout's kind costs beyond its blocks (all measured: :mod:`~lightning_mp_lstm.planning.calibration`).
+gradients, each process's optimizer step (and gradient clipping) over the parameters it holds, the fresh memory every
+backward fills with the gradient of a parameter too large for the C library to keep (:func:`fresh_gradient_bytes`), and
+what a step of the layout's kind costs beyond its blocks (all measured: :mod:`~lightning_mp_lstm.planning.calibration`).
 
 The advice is for CPUs: it calibrates CPU threads and a host memory copy, and names candidates by cores. On any
 other device :func:`~lightning_mp_lstm.planning.calibration.calibrate` and :func:`advise` refuse
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_mp_lstm.base.allocator import freed_memory_returned
+from lightning_mp_lstm.base.allocator import STEADY_MMAP_THRESHOLD, freed_memory_returned
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.planning import profile
 from lightning_mp_lstm.planning.calibration import LEAST_SECONDS, Calibration, check_device
@@ -36,7 +37,8 @@ from lightning_mp_lstm.planning.layout import LayoutError, ParallelLayout
 from lightning_mp_lstm.planning.partition import partition_blocks
 from lightning_mp_lstm.planning.plan import ChunkCost, microbatch_candidates
 
-__all__ = ["Candidate", "advise", "crowded_step_time", "pipeline_speeds", "render", "shard_seconds"]
+__all__ = ["Candidate", "advise", "crowded_step_time", "fresh_gradient_bytes", "pipeline_speeds", "render",
+           "shard_seconds"]
 
 @dataclass(frozen=True)
 class Candidate:
@@ -57,6 +59,23 @@ def _block_bytes(model: Any, name: str, rows: int, length: int) -> int:
     """Bytes of the activation that enters block ``name`` (what crosses a stage boundary before it)."""
     example = model.example_input(name, rows, length, torch.device("meta"))
     return example.numel() * example.element_size()
+
+
+def fresh_gradient_bytes(model: Any, names: Sequence[str]) -> dict[str, int]:
+    """Bytes of each block's parameters whose gradient is at least glibc's largest mmap threshold
+    (:data:`~lightning_mp_lstm.base.allocator.STEADY_MMAP_THRESHOLD`): every backward of the block makes such a
+    gradient in memory mapped afresh, a page fault per page, whatever the process's threshold (a pipeline's every
+    microbatch; it is then added to the one the parameter holds).
+
+    A block's timing includes that fill too, but as the fastest of its runs, which on a machine with transparent huge
+    pages is a run whose pages came whole: the 50,000 x 256 embedding (51 MB) of the 50,000-word job timed 5-30 ms per
+    call. Its pipeline stage (with two LSTM layers) then took 86 ms per one-row microbatch in a 2-process run where the
+    plan said 53 ms, and the decoder's stage 172 ms where it said 135; 51 MB at the measured first-touch speed
+    (1.2 GB/s) is 43 ms (2026-11-29).
+    """
+    return {name: sum(p.numel() * p.element_size() for p in block.parameters()
+                      if p.numel() * p.element_size() >= STEADY_MMAP_THRESHOLD)
+            for name, block in model.blocks(names)}
 
 
 def pipeline_speeds(calibration: Calibration, threads: int, replicas: int,
@@ -116,6 +135,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
     model = pipeline_model(model)
     names = list(model.block_names)
     parameters = model.analytic_costs("parameters", 1, length)
+    fresh = fresh_gradient_bytes(model, names)
     cache: dict[tuple[int, int], dict[str, float]] = {}
     chunks = sorted({k for k in time_chunks if 1 < k <= length})
     short = -(-length // chunks[-1]) if chunks else length
@@ -140,8 +160,8 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
             partition = partition_blocks(names, whole, pp)
             speeds = pipeline_speeds(calibration, threads, dp,
                                      [sum(whole[b] for b in stage) for stage in partition])
-            costs = [[ChunkCost.fit((length, sum(whole[b] for b in stage) / speed + accumulate_seconds(stage)),
-                                    (short, sum(part[b] for b in stage) / speed + accumulate_seconds(stage)))
+            costs = [[ChunkCost.fit((length, sum(whole[b] for b in stage) / speed + per_microbatch_seconds(stage)),
+                                    (short, sum(part[b] for b in stage) / speed + per_microbatch_seconds(stage)))
                       for stage in partition] for speed in speeds]
             for k in chunks:
                 steps = -(-length // k)
@@ -151,7 +171,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
                     # Returned memory costs a block more at some lengths than at others (the 50,000-word decoder:
                     # 25 % at 25 tokens, nothing at 13), which a line between two lengths misses: each is timed.
                     own = times(rows // m, steps)
-                    crowded, quiet = ([sum(own[b] for b in stage) / speed + accumulate_seconds(stage) + transfer
+                    crowded, quiet = ([sum(own[b] for b in stage) / speed + per_microbatch_seconds(stage) + transfer
                                        for stage in partition] for speed in speeds)
                 else:
                     crowded, quiet = ([c.seconds(steps) + transfer for c in kind] for kind in costs)
@@ -164,11 +184,18 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
                                      threads, seconds, time_chunks=k, sharded=sharded)
         return best
 
-    def accumulate_seconds(blocks: Sequence[str]) -> float:
-        """Adding a microbatch's gradients of ``blocks`` to those their parameters hold (every microbatch of a
-        pipeline, one by one): two float32 copies read and one written, 1.5x a copy's traffic (a copy of ``b`` bytes
-        takes ``b / (2 x bandwidth)``)."""
-        return 3 * sum(parameters[b] for b in blocks) / calibration.bandwidth
+    def per_microbatch_seconds(blocks: Sequence[str]) -> float:
+        """What each microbatch's backward of ``blocks`` costs beyond their timing: adding its gradients to those
+        their parameters hold, two float32 copies read and one written, 1.5x a copy's traffic (a copy of ``b`` bytes
+        takes ``b / (2 x bandwidth)``); and filling their large gradients afresh (:func:`fresh_seconds`)."""
+        return 3 * sum(parameters[b] for b in blocks) / calibration.bandwidth + fresh_seconds(blocks)
+
+    def fresh_seconds(blocks: Sequence[str]) -> float:
+        """Seconds a backward of ``blocks`` fills their gradients mapped afresh (:func:`fresh_gradient_bytes`) at the
+        machine's measured speed; sharded replicas' are in :func:`shard_seconds`, unmeasured ones are free."""
+        if sharded or not calibration.first_touch:
+            return 0.0
+        return sum(fresh[b] for b in blocks) / calibration.first_touch
 
     def after_schedule_seconds(blocks: Sequence[str], replicas: int, stages: int, threads: int,
                                microbatches: int = 1, fill_drain: bool = False) -> float:
@@ -194,7 +221,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
 
     candidates = [] if sharded or (only is not None and (1, 1) not in only) else [
         Candidate(f"1 process ({cores} threads)", 1, 1, 1, (tuple(names),), cores,
-                  sum(times(batch_rows).values()) / calibration.speedup(cores)
+                  sum(times(batch_rows).values()) / calibration.speedup(cores) + fresh_seconds(names)
                   + after_schedule_seconds(names, 1, 1, cores) + calibration.step_cost(1, 1, 1))]
     label = " sharded" if sharded else ""
     counts = sorted({devices} if isinstance(devices, int) else set(devices))
@@ -210,7 +237,8 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
         if rows < 1:
             continue
         if pp == 1:
-            seconds = (sum(times(rows).values()) / speed + after_schedule_seconds(names, dp, 1, threads)
+            seconds = (sum(times(rows).values()) / speed + fresh_seconds(names)
+                       + after_schedule_seconds(names, dp, 1, threads)
                        + calibration.step_cost(dp, 1, 1))
             if dp > 1:
                 candidates.append(Candidate(f"dp{dp}{label}", dp, 1, 1, (tuple(names),), threads, seconds,
@@ -230,7 +258,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
             # Each boundary sends activations forward and gradients back once per microbatch.
             transfer = max(2 * _block_bytes(model, stage[0], rows // m, length) / calibration.bandwidth
                            for stage in partition[1:])
-            crowded, quiet = ([sum(per_block[b] for b in stage) / v + accumulate_seconds(stage) + transfer
+            crowded, quiet = ([sum(per_block[b] for b in stage) / v + per_microbatch_seconds(stage) + transfer
                                for stage in partition] for v in speeds)
             seconds = crowded_step_time(crowded, quiet, m)
             seconds += max(after_schedule_seconds(stage, dp, pp, threads, m) for stage in partition)

@@ -23,8 +23,8 @@ import torch
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.planning import profile
 
-__all__ = ["LEAST_SECONDS", "Calibration", "calibrate", "check_device", "crowding", "first_touch_bandwidth",
-           "time_update"]
+__all__ = ["CROWDING_ROUNDS", "LEAST_SECONDS", "Calibration", "calibrate", "check_device", "copy_bandwidth",
+           "crowding", "first_touch_bandwidth", "time_update"]
 
 #: Seconds the thread calibration runs the model on one thread at least (a quarter of it for each timed block):
 #: more runs of a small model, whose step is milliseconds. On the 2-core box three runs of the main job's model gave
@@ -150,7 +150,7 @@ def calibrate(model: Any, rows: int, length: int, device: torch.device, threads:
     the cores; :func:`crowding`, the model's blocks on each one's share of the rows), the optimizer step per
     parameter on each count (:func:`time_update`: ``optimizer`` makes the model's optimizer over a list of tensors,
     plain SGD where ``None``; ``clip``: the run clips the gradients' norm too) and, unless given, the bytes per second
-    of a local copy between processes (estimated from a memory copy of a 64 MiB buffer, halved for the transport).
+    of a local copy between processes (:func:`copy_bandwidth` of a 64 MiB buffer, halved for the transport).
 
     Raises:
         ValueError: ``device`` is not a CPU (:func:`check_device`).
@@ -176,11 +176,7 @@ def calibrate(model: Any, rows: int, length: int, device: torch.device, threads:
     finally:
         torch.set_num_threads(before)
     if bandwidth is None:
-        source = torch.empty(64 * 2**20, dtype=torch.uint8)
-        target = torch.empty_like(source)
-        start = time.perf_counter()
-        target.copy_(source)
-        bandwidth = source.numel() / max(time.perf_counter() - start, 1e-9) / 2
+        bandwidth = copy_bandwidth() / 2
     cores = os.cpu_count() or 1
     crowded = tuple((count, crowding(count, max(1, cores // count), blocks, max(1, rows // count), length))
                     for count in sorted(set(processes)) if count > 1)
@@ -217,6 +213,24 @@ def time_update(optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     return statistics.median(times[1:]) / parameters
 
 
+def copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Bytes per second this process copies between two buffers it already holds (the median of ``repeats``).
+
+    Both are filled first: a copy into memory mapped afresh pays a page fault per page (:func:`first_touch_bandwidth`)
+    and one out of untouched memory reads the kernel's shared zero page. Timed on the fresh buffer, one copy as before
+    2026-11-29, it came out 1.0 or 4.0 GB/s on the 2-core box, call to call, as the pages came small or huge; the
+    gradients a pipeline adds up live in memory already held (a 51 MB add: 7.5 ms, 4 GB/s by this measure).
+    """
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = source.clone()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return nbytes / max(statistics.median(times), 1e-9)
+
+
 def first_touch_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
     """Bytes per second one thread fills a buffer mapped afresh (the median of ``repeats``; a buffer of 64 MiB is
     above glibc's largest mmap threshold, so each one is new pages)."""
@@ -239,10 +253,17 @@ def _chain_seconds(blocks: Any, rows: int, length: int) -> float:
                                      warmup=1).values())
 
 
-def crowding(processes: int, threads: int, model: Any, rows: int, length: int) -> float:
+#: Rounds of :func:`crowding`, each one alone and all at once: one round on the 2-core box gave 1.00 and 1.11 for two
+#: workers called twice in a row, 1.56 and 2.14 for four (four real processes: 1.77), and the same candidate's
+#: prediction moved 16 % between two rankings minutes apart (2026-11-29).
+CROWDING_ROUNDS = 3
+
+
+def crowding(processes: int, threads: int, model: Any, rows: int, length: int,
+             rounds: int = CROWDING_ROUNDS) -> float:
     """How much slower each of ``processes`` workers on ``threads`` threads computes the forward + backward of
-    ``model``'s blocks over ``rows x length`` while all run at once than one alone: the median of their times over
-    the time of one alone.
+    ``model``'s blocks over ``rows x length`` while all run at once than one alone: in each of ``rounds`` rounds the
+    median of their times over the time of one alone, just before; the median of the rounds.
 
     The model's own blocks at a replica's share of the rows, as a rank runs them, not a stand-in (until 2026-11-29 an
     LSTM layer of the model's width on the whole batch, which leaves out a decoder's logits streaming through
@@ -256,22 +277,23 @@ def crowding(processes: int, threads: int, model: Any, rows: int, length: int) -
     blocks = pipeline_model(model)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    ratios = []
     try:
         with torch.random.fork_rng():  # the workers' timings fork and restore it at once
-            alone = _chain_seconds(blocks, rows, length)
-            barrier, times = threading.Barrier(processes), [0.0] * processes
+            for _ in range(max(1, rounds)):
+                alone = _chain_seconds(blocks, rows, length)
+                barrier, times = threading.Barrier(processes), [0.0] * processes
 
-            def work(index: int) -> None:
-                barrier.wait()
-                times[index] = _chain_seconds(blocks, rows, length)
+                def work(index: int, barrier: threading.Barrier = barrier, times: list[float] = times) -> None:
+                    barrier.wait()
+                    times[index] = _chain_seconds(blocks, rows, length)
 
-            pool = [threading.Thread(target=work, args=(i,)) for i in range(processes)]
-            for thread in pool:
-                thread.start()
-            for thread in pool:
-                thread.join()
+                pool = [threading.Thread(target=work, args=(i,)) for i in range(processes)]
+                for thread in pool:
+                    thread.start()
+                for thread in pool:
+                    thread.join()
+                ratios.append(statistics.median(times) / alone)
     finally:
         torch.set_num_threads(before)
-    return max(1.0, statistics.median(times) / alone)
-
-
+    return max(1.0, statistics.median(ratios))
