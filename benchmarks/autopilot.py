@@ -87,11 +87,14 @@ def mean_step(rows: list[dict[str, float]], first: int) -> float:
 
 def _print_ranking(overrides: list[str]) -> None:
     """``--rank JOB``: the job's ranking as one JSON line (the table before it)."""
+    from lightning_mp_lstm.planning.autopilot import choose
+
     ranked, table = rank_job(overrides)
+    chosen = choose(ranked)
     print(table)
     print(json.dumps([{"candidate": r.name, "processes": r.processes, "predicted_s": r.candidate.predicted_seconds,
                        "fits": r.fits, "peak_mib": r.memory.peak / 2**20 if r.memory is not None else None,
-                       "settings": r.settings()} for r in ranked]), flush=True)
+                       "chosen": r is chosen, "settings": r.settings()} for r in ranked]), flush=True)
 
 
 def run_job(name: str, overrides: list[str], first: int, steps: int, rounds: int = 1) -> dict[str, Any]:
@@ -106,9 +109,10 @@ def run_job(name: str, overrides: list[str], first: int, steps: int, rounds: int
     lines = done.stdout.splitlines()
     ranked = json.loads(lines[-1])
     print("\n".join(line for line in lines[:-1] if not line.startswith("[")), flush=True)
+    calibrated = next((line for line in lines if line.startswith("calibrated: ")), "")
     rows = [{"candidate": option["candidate"], "processes": option["processes"], "predicted_s": option["predicted_s"],
-             "predicted_rank": rank, "fits": option["fits"], "peak_mib": option["peak_mib"]}
-            for rank, option in enumerate(ranked, 1)]
+             "predicted_rank": rank, "fits": option["fits"], "peak_mib": option["peak_mib"],
+             "chosen": option["chosen"]} for rank, option in enumerate(ranked, 1)]
     commands = {i: [*overrides, *layout_overrides(option["settings"])] for i, option in enumerate(ranked)
                 if option["fits"]}
     for _ in range(rounds):
@@ -124,10 +128,11 @@ def run_job(name: str, overrides: list[str], first: int, steps: int, rounds: int
     if not measured:
         raise SystemExit(f"{name}: no layout fits (the ranking above); nothing to measure")
     best = min(r["measured_s"] for r in measured)
-    pick = measured[0]  # the ranking puts the fitting candidates first, fastest predicted first
+    pick = next(r for r in measured if r["chosen"])
     errors = [r["predicted_over_measured"] for r in measured]
     return {
-        "job": name, "overrides": overrides, "rounds": rounds, "rows": rows, "pick": pick["candidate"],
+        "job": name, "overrides": overrides, "rounds": rounds, "calibrated": calibrated.removeprefix("calibrated: "),
+        "rows": rows, "pick": pick["candidate"],
         "best": min(measured, key=lambda r: r["measured_s"])["candidate"],
         "pick_over_best": pick["measured_s"] / best, "seconds": time.perf_counter() - started,
         "goals": {"pick within 10 % of the best measured": pick["measured_s"] / best <= 1.10,
@@ -149,7 +154,8 @@ def section(results: list[dict[str, Any]], command: str, date: str) -> dict[str,
         goals.append(_goal(f"{job_label(job)}: largest |predicted / measured - 1|", max(abs(e - 1) for e in errors),
                            0.25, "<="))
     jobs = "; ".join(f"{job_label(job)}: {' '.join(job['overrides']) or 'python train.py as it is'} "
-                     f"({_runs(job.get('rounds', 1))}, {job.get('date', date)})" for job in results)
+                     f"({_runs(job.get('rounds', 1))}, {job.get('date', date)}"
+                     f"{'; calibrated: ' + job['calibrated'] if job.get('calibrated') else ''})" for job in results)
     return {"title": "The autopilot (layout=auto): predicted against measured",
             "setup": (f"{command}: every layout of up to the machine's cores (a job's layout.processes where it "
                       "sets them) ranked as layout=auto ranks it (step "

@@ -262,3 +262,10 @@ def test_the_copy_speed_is_timed_between_buffers_already_held(monkeypatch):
     monkeypatch.setattr(calibration, "copy_bandwidth", lambda: 8e9)
     result = calibrate(tiny_model(num_layers=1, hidden_size=8), rows=2, length=4, device=CPU, threads=(1,))
     assert result.bandwidth == 4e9
+
+
+def test_the_calibration_summary_names_every_measured_term():
+    calibration = Calibration(((1, 1.0), (2, 1.5)), 2e9, crowding=((2, 1.13),), first_touch=1.2e9,
+                              update_seconds=((1, 2.5e-9),))
+    assert calibration.summary() == ("1 threads 1.00x, 2 threads 1.50x; crowding 2 at once 1.13x; transfer 2.0 GB/s; "
+                                     "first touch 1.2 GB/s; optimizer 2.5 ms per M parameters on 1")

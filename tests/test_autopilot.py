@@ -18,7 +18,15 @@ from lightning_mp_lstm.app import step_cost
 from lightning_mp_lstm.app.training import build_model, build_strategy
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.planning import advice
-from lightning_mp_lstm.planning.autopilot import choose, rank_layouts, render_ranking
+from lightning_mp_lstm.planning.advice import Candidate
+from lightning_mp_lstm.planning.autopilot import (
+    TIE,
+    RankedLayout,
+    candidate_layout,
+    choose,
+    rank_layouts,
+    render_ranking,
+)
 from lightning_mp_lstm.planning.calibration import Calibration
 from lightning_mp_lstm.planning.memory import GIB, BatchShape, ModelMemory
 from tests.helpers import SMALL_SYNTHETIC, TINY_RUN, run_command, tiny_model
@@ -77,6 +85,25 @@ def test_one_process_wins_when_threads_scale_and_nothing_fits_is_refused_with_th
     # None fits: the one that needs the least (a layer per process) is handed on, for its refusal to say what to do.
     assert not any(r.fits for r in tight) and choose(tight).layout.pipeline_parallel_size == 2
     assert "does not fit: 5.00 of 1.00 GiB" in render_ranking(tight) and "chosen" not in render_ranking(tight)
+
+
+def _ranked(name: str, dp: int, pp: int, seconds: float) -> RankedLayout:
+    candidate = Candidate(name, dp, pp, pp, (("embedding",),) * pp, 1, seconds)
+    return RankedLayout(candidate, candidate_layout(candidate, "1F1B"), None)
+
+
+def test_a_candidate_less_than_the_tie_faster_loses_to_one_on_fewer_processes():
+    one = _ranked("1 process (2 threads)", 1, 1, 1.0)
+    close = _ranked("dp2", 2, 1, 0.96)
+    assert TIE == 0.10 and choose([close, one]) is one
+    lines = render_ranking([close, one]).splitlines()
+    assert lines[2].endswith("0.96x: a tie, on more processes") and lines[3].endswith("chosen")
+    # Outside the tie the fastest wins; inside it the fewest processes, and the faster of those.
+    far = _ranked("dp2", 2, 1, 0.85)
+    assert choose([far, one]) is far
+    four, two, slow_two = (_ranked("dp2 x pp2 balanced, m=2", 2, 2, 0.90), _ranked("pp2 balanced, m=2", 1, 2, 0.95),
+                           _ranked("pp2 wavefront, m=1 x k=2", 1, 2, 0.97))
+    assert choose([four, two, slow_two, _ranked("1 process (2 threads)", 1, 1, 1.05)]) is two
 
 
 def test_a_wavefront_choice_sets_the_schedule_and_both_axes(block_times, compose_train, monkeypatch):
@@ -246,7 +273,7 @@ def test_train_py_ranks_the_layouts_once_and_every_rank_runs_the_choice(tmp_path
 
 
 # ----- what a step costs beyond its blocks --------------------------------------------------------------------------
-COSTS = {(1, 1, 1): 0.005, (2, 1, 1): 0.011, (1, 2, 2): 0.009, (1, 2, 8): 0.018}
+COSTS = {(1, 1, 1): 0.005, (2, 1, 1): 0.011, (1, 2, 2): 0.009, (1, 2, 8): 0.018, (1, 2, 8, 2): 0.024}
 
 
 def test_a_step_cost_is_the_measured_kind_s_and_a_pipeline_s_grows_with_its_pieces():
@@ -257,13 +284,18 @@ def test_a_step_cost_is_the_measured_kind_s_and_a_pipeline_s_grows_with_its_piec
     # Two replicas of a pipeline: the pipeline's cost and what replication adds to one process.
     assert calibration.step_cost(2, 2, 2) == pytest.approx(0.009 + 0.011 - 0.005)
     assert Calibration(((1, 1.0),), float("inf")).step_cost(2, 2, 4) == 0.0  # not measured: nothing added
+    # A wavefront of time chunks grows by its own line from the pipeline's fewest pieces; the pipeline's unmeasured.
+    assert calibration.step_cost(1, 2, 8, chunked=True) == pytest.approx(0.024)
+    assert calibration.step_cost(1, 2, 4, chunked=True) == pytest.approx(0.009 + 2 * (0.024 - 0.009) / 6)
+    unchunked = Calibration(((1, 1.0),), float("inf"), step_costs=tuple(COSTS.items())[:4])
+    assert unchunked.step_cost(1, 2, 4, chunked=True) == pytest.approx(calibration.step_cost(1, 2, 4))
 
 
 def test_every_candidate_pays_the_cost_of_its_kind(block_times):
     model = tiny_model(num_layers=2)
     bare = Calibration(((1, 1.0), (2, 1.5)), float("inf"))
     # A pipeline's cost the same at any microbatch count here, so that every candidate keeps its microbatches.
-    flat = {**COSTS, (1, 2, 8): COSTS[(1, 2, 2)]}
+    flat = {**COSTS, (1, 2, 8): COSTS[(1, 2, 2)], (1, 2, 8, 2): COSTS[(1, 2, 2)]}
     costed = Calibration(((1, 1.0), (2, 1.5)), float("inf"), step_costs=tuple(flat.items()))
     before = {r.name: r for r in rank_layouts(model, [2], 16, 10, CPU, bare, cores=2)}
     after = {r.name: r for r in rank_layouts(model, [2], 16, 10, CPU, costed, cores=2)}
@@ -271,7 +303,7 @@ def test_every_candidate_pays_the_cost_of_its_kind(block_times):
     for name, ranked in after.items():
         layout = ranked.layout
         expected = before[name].candidate.predicted_seconds + costed.step_cost(
-            layout.data_parallel_size, layout.pipeline_parallel_size, layout.units)
+            layout.data_parallel_size, layout.pipeline_parallel_size, layout.units, chunked=layout.time_chunks > 1)
         assert ranked.candidate.predicted_seconds == pytest.approx(expected), name
 
 
@@ -284,31 +316,31 @@ def test_step_costs_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch
 
     def trial(*kind):
         trials.append(kind)
-        if kind == (1, 2, 8) and len(trials) < 5:  # the first (1, 2, 8) fails
+        if kind == (1, 2, 8) and len(trials) < 6:  # the first (1, 2, 8) fails
             return None
         return {kind: COSTS[kind], **(collectives if kind == (2, 1, 1) else {})}
 
     monkeypatch.setattr(step_cost, "CACHE_FILE", str(tmp_path / "costs.json"))
     monkeypatch.setattr(step_cost, "_run_trial", trial)
-    assert step_cost.trial_kinds([2]) == [(1, 1, 1), (2, 1, 1), (1, 2, 2), (1, 2, 8)]
+    assert step_cost.trial_kinds([2]) == [(1, 1, 1), (2, 1, 1), (1, 2, 2), (1, 2, 8), (1, 2, 8, 2)]
     assert step_cost.collective_keys(4) == [(name, 4, r) for r in (2, 4) for name in step_cost.COLLECTIVES]
     first = step_cost.step_costs([2])
     assert trials == step_cost.trial_kinds([2]) and (1, 2, 8) not in first and first[(2, 1, 1)] == 0.011
     assert first[("reduce_scatter", 2, 2)] == 3e-9
-    assert "4 short runs of a near-zero model" in capsys.readouterr().out
+    assert "5 short runs of a near-zero model" in capsys.readouterr().out
     # The next run reads the file and measures only what failed.
-    assert step_cost.step_costs([2]) == everything and trials[4:] == [(1, 2, 8)]
-    assert step_cost.step_costs([2]) == everything and len(trials) == 5
-    assert len(step_cost.step_costs([2], again=True)) == 7 and len(trials) == 9
+    assert step_cost.step_costs([2]) == everything and trials[5:] == [(1, 2, 8)]
+    assert step_cost.step_costs([2]) == everything and len(trials) == 6
+    assert len(step_cost.step_costs([2], again=True)) == 8 and len(trials) == 11
     # A file kept before the collectives were timed: the replicas' trial runs again, nothing else.
     kept = json.loads((tmp_path / "costs.json").read_text())
     kept[step_cost._machine()] = {json.dumps(list(k)): v for k, v in COSTS.items()}
     (tmp_path / "costs.json").write_text(json.dumps(kept))
-    assert step_cost.step_costs([2]) == everything and trials[9:] == [(2, 1, 1)]
+    assert step_cost.step_costs([2]) == everything and trials[11:] == [(2, 1, 1)]
     # A damaged file is said and measured again, never trusted: not JSON, not an object, this machine's entry bad.
     capsys.readouterr()
-    for damaged, count in (("{not json", 14), ("[1, 2]", 18), (json.dumps({step_cost._machine(): ["x"]}), 22),
-                           (json.dumps({step_cost._machine(): {"[1, 1, 1]": "fast"}}), 26)):
+    for damaged, count in (("{not json", 17), ("[1, 2]", 22), (json.dumps({step_cost._machine(): ["x"]}), 27),
+                           (json.dumps({step_cost._machine(): {"[1, 1, 1]": "fast"}}), 32)):
         (tmp_path / "costs.json").write_text(damaged)
         assert step_cost.step_costs([2]) == everything and len(trials) == count
         assert re.search(r"mp_lstm: the step costs kept in \S+costs\.json .*(unreadable|not a JSON object)",
@@ -319,6 +351,13 @@ def test_step_costs_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch
 def test_a_trial_runs_the_strategy_on_a_near_zero_model_and_reports_its_step():
     measured = step_cost._run_trial(1, 1, 1)
     assert measured is not None and list(measured) == [(1, 1, 1)] and 0 < measured[(1, 1, 1)] < 1
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.processes
+def test_a_wavefront_trial_runs_two_stages_of_time_chunks():
+    measured = step_cost._run_trial(1, 2, 8, 2)
+    assert measured is not None and list(measured) == [(1, 2, 8, 2)] and 0 < measured[(1, 2, 8, 2)] < 1
 
 
 def test_a_data_module_that_does_not_say_its_batch_shape_keeps_the_layout(compose_train, capsys):
@@ -361,6 +400,9 @@ def test_the_calibration_measures_every_thread_count_a_candidate_runs_on_after_t
     # The floor is what the process held before it timed anything.
     assert asked == {"threads": [4, 8, 16], "processes": [2, 4], "floor": 100}
     assert "dp4" in table and "on 16 cores" in table
+    # What was calibrated is printed under the table, so that two rankings of a job can be compared.
+    assert table.splitlines()[-1] == ("calibrated: 1 threads 1.00x, 4 threads 4.00x, 8 threads 8.00x, 16 threads "
+                                      "16.00x; crowding not measured; transfer inf GB/s; first touch not measured")
 
 
 @pytest.mark.processes

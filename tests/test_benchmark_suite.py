@@ -451,11 +451,13 @@ def test_the_autopilot_benchmark_runs_its_candidates_in_turns_and_takes_each_one
 
     from benchmarks import autopilot
 
+    # The autopilot chose the second (a tie: one process), so the pick is not the fastest predicted.
     ranked = [{"candidate": name, "processes": 2, "predicted_s": 1.0, "fits": fits, "peak_mib": 1.0,
-               "settings": {"data_parallel_size": dp, "pipeline_parallel_size": 1, "schedule": "1F1B",
-                            "n_microbatches": 1}}
+               "chosen": name == "single", "settings": {"data_parallel_size": dp, "pipeline_parallel_size": 1,
+                                                        "schedule": "1F1B", "n_microbatches": 1}}
               for name, dp, fits in [("dp2", 2, True), ("single", 1, True), ("dp4", 4, False)]]
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout="table\n" + json.dumps(ranked)))
+    stdout = "table\ncalibrated: 2 threads 1.90x\n" + json.dumps(ranked)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=stdout))
     runs = []
     steps = {"dp2": iter([5.0, 1.0, 2.0]), "single": iter([3.0, 9.0, 4.0])}
 
@@ -469,7 +471,8 @@ def test_the_autopilot_benchmark_runs_its_candidates_in_turns_and_takes_each_one
     assert runs == ["dp2", "single"] * 3
     assert [r.get("measured_s") for r in job["rows"]] == [2.0, 4.0, None]
     assert job["rows"][0]["measured_rounds"] == [5.0, 1.0, 2.0] and job["rounds"] == 3
-    assert job["pick"] == "dp2" and job["best"] == "dp2" and job["pick_over_best"] == 1.0
+    assert job["pick"] == "single" and job["best"] == "dp2" and job["pick_over_best"] == 2.0
+    assert job["calibrated"] == "2 threads 1.90x"
     assert "main: python train.py as it is (the median of 3 runs of each candidate, " in autopilot.section(
         [job], "python benchmarks/autopilot.py", "2026-11-28")["setup"]
 

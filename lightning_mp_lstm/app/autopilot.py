@@ -31,7 +31,7 @@ from omegaconf import DictConfig, open_dict
 from lightning_mp_lstm.app.step_cost import COLLECTIVES, step_costs
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.models.optimizer_kernels import kernel_options
-from lightning_mp_lstm.planning.autopilot import RankedLayout, choose, rank_layouts, render_ranking
+from lightning_mp_lstm.planning.autopilot import TIE, RankedLayout, choose, rank_layouts, render_ranking
 from lightning_mp_lstm.planning.calibration import calibrate
 from lightning_mp_lstm.planning.layout import WAVEFRONT, ParallelLayout, schedule_style
 from lightning_mp_lstm.planning.memory import process_floor
@@ -188,7 +188,7 @@ def rank_layouts_for(strategy: Any, model: Any, datamodule: Any, counts: list[in
         ranked = [r for r in ranked if r.processes == counts[0]] or ranked
     table = (f"mp_lstm: layout=auto ranked {len(ranked)} layouts of up to {max(counts)} processes on {cores} cores "
              f"(a global batch of {rows} x {length} tokens; {time.perf_counter() - started:.1f} s):\n"
-             f"{render_ranking(ranked, rows * length)}")
+             f"{render_ranking(ranked, rows * length)}\ncalibrated: {calibration.summary()}")
     return ranked, table
 
 
@@ -213,8 +213,10 @@ def choose_layout(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -
     if not best.fits:
         print(f"mp_lstm: no layout fits in memory; {best.name} needs the least, and its check says what to change")
     else:
-        print(f"mp_lstm: training on {best.name}"
-              + (" (one process is predicted fastest here)" if best.processes == 1 else ""))
+        fastest = min((r for r in ranked if r.fits), key=lambda r: r.candidate.predicted_seconds)
+        why = ("" if best.processes > 1 else " (one process is predicted fastest here)" if best is fastest else
+               f" (one process is predicted within {TIE:.0%} of the fastest, {fastest.name}: a tie)")
+        print(f"mp_lstm: training on {best.name}{why}")
     return best.settings()
 
 

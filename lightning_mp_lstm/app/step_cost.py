@@ -59,13 +59,19 @@ def collective_keys(processes: int) -> list[tuple[str, int, int]]:
     return [(name, processes, r) for r in sizes for name in COLLECTIVES]
 
 
-def trial_kinds(processes: Sequence[int]) -> list[tuple[int, int, int]]:
+def trial_kinds(processes: Sequence[int]) -> list[tuple[int, ...]]:
     """``(replicas, stages, microbatches)`` of every trial for these process counts: one process, and for each
-    count ``n`` > 1 ``n`` replicas and an ``n``-stage pipeline with ``n`` and ``4n`` microbatches."""
-    kinds = [(1, 1, 1)]
+    count ``n`` > 1 ``n`` replicas, an ``n``-stage pipeline with ``n`` and ``4n`` microbatches, and an ``n``-stage
+    wavefront of ``4n`` units, ``2n`` row microbatches x 2 time chunks (``(1, n, 4n, 2)``).
+
+    The wavefront's units cost more than a pipeline's microbatches: on the 2-core box a near-zero model's pp2 step
+    took 15 ms with 2 units either way, 33 ms with 8 microbatches and 44 ms with 4 x 2 units (41 ms with 2 x 4; 34 ms
+    with 8 x 1), each chunk carrying its recurrent state to the next as a leaf whose gradient the backward returns
+    (2026-11-29)."""
+    kinds: list[tuple[int, ...]] = [(1, 1, 1)]
     for n in sorted(set(processes)):
         if n > 1:
-            kinds += [(n, 1, 1), (1, n, n), (1, n, 4 * n)]
+            kinds += [(n, 1, 1), (1, n, n), (1, n, 4 * n), (1, n, 4 * n, 2)]
     return kinds
 
 
@@ -86,11 +92,12 @@ def _machine() -> str:
             f"lightning_mp_lstm {lightning_mp_lstm.__version__}")
 
 
-def _run_trial(replicas: int, stages: int, microbatches: int) -> dict[tuple[Any, ...], float] | None:
-    """What one trial measured, in a process of its own: its seconds per step under its kind, and its collectives'
-    seconds per byte (:func:`collective_keys`); ``None``: it failed (a line says so)."""
-    command = [sys.executable, "-m", "lightning_mp_lstm.app.step_cost", "--trial", str(replicas), str(stages),
-               str(microbatches)]
+def _run_trial(replicas: int, stages: int, microbatches: int, chunks: int = 1) -> dict[tuple[Any, ...], float] | None:
+    """What one trial measured, in a process of its own: its seconds per step under its kind (``chunks`` > 1: a
+    wavefront of ``microbatches`` units in that many time chunks), and its collectives' seconds per byte
+    (:func:`collective_keys`); ``None``: it failed (a line says so)."""
+    kind = (replicas, stages, microbatches, *((chunks,) if chunks > 1 else ()))
+    command = [sys.executable, "-m", "lightning_mp_lstm.app.step_cost", "--trial", *map(str, kind)]
     # A fresh job of its own: none of the launching job's rendezvous settings.
     environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     try:
@@ -101,7 +108,7 @@ def _run_trial(replicas: int, stages: int, microbatches: int) -> dict[tuple[Any,
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             found = json.loads(line)
-            return {(replicas, stages, microbatches): float(found["step_s"]),
+            return {kind: float(found["step_s"]),
                     **{tuple(json.loads(key)): float(value) for key, value in found.get("collectives", {}).items()}}
     print(f"mp_lstm: the step-cost trial {replicas} x {stages} (m={microbatches}) failed (exit {done.returncode}); "
           f"left out: {done.stderr.strip().splitlines()[-1:] or ''}")
@@ -162,9 +169,10 @@ def _read_cache(path: Path) -> dict[str, Any]:
     return cached
 
 
-def _trial(replicas: int, stages: int, microbatches: int) -> None:
-    """One trial: a near-zero model on a fixed batch shape, ``TRIAL_STEPS`` steps; global rank 0 prints the median
-    seconds between the starts of consecutive steps after the warm-up, as JSON."""
+def _trial(replicas: int, stages: int, microbatches: int, chunks: int = 1) -> None:
+    """One trial: a near-zero model on a fixed batch shape, ``TRIAL_STEPS`` steps (``chunks`` > 1: on the wavefront,
+    ``microbatches`` units in that many time chunks); global rank 0 prints the median seconds between the starts of
+    consecutive steps after the warm-up, as JSON."""
     import lightning.pytorch as pl
 
     from lightning_mp_lstm import LSTMLanguageModel
@@ -190,8 +198,10 @@ def _trial(replicas: int, stages: int, microbatches: int) -> None:
     data.prepare_data()
     data.setup("fit")
     model = LSTMLanguageModel(data.vocab_size, embedding_dim=8, hidden_size=8, num_layers=2)
+    wavefront = {"schedule": "Wavefront", "time_chunks": chunks} if chunks > 1 else {}
     strategy = MPLSTMStrategy(data_parallel_size=replicas, pipeline_parallel_size=stages,
-                              n_microbatches=microbatches, verify=False, report_after_steps=None)
+                              n_microbatches=microbatches // chunks, verify=False, report_after_steps=None,
+                              **wavefront)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=replicas * stages, max_steps=TRIAL_STEPS,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -237,7 +247,8 @@ def _collective_seconds(processes: int, repeats: int = 4) -> dict[tuple[str, int
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, nargs="+", default=[os.cpu_count() or 1])
-    parser.add_argument("--trial", type=int, nargs=3, metavar=("REPLICAS", "STAGES", "MICROBATCHES"))
+    parser.add_argument("--trial", type=int, nargs="+", metavar="N",
+                        help="replicas, stages, microbatches (and time chunks: a wavefront)")
     args = parser.parse_args(argv)
     if args.trial:
         _trial(*args.trial)
@@ -248,9 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             name, processes, replicas = key
             print(f"{name} in groups of {replicas} of {processes} processes: {seconds * 2**30:.3f} s per GiB")
         else:
-            replicas, stages, microbatches = key
-            print(f"{replicas} replica(s) x {stages} stage(s), {microbatches} microbatch(es): "
-                  f"{seconds * 1000:.1f} ms")
+            replicas, stages, microbatches, *chunks = key
+            pieces = f"{microbatches} wavefront units in {chunks[0]} time chunks" if chunks else \
+                f"{microbatches} microbatch(es)"
+            print(f"{replicas} replica(s) x {stages} stage(s), {pieces}: {seconds * 1000:.1f} ms")
     return 0
 
 

@@ -178,7 +178,7 @@ def advise(model: Any, devices: int | Sequence[int], batch_rows: int, length: in
                 seconds = crowded_step_time(crowded, quiet, m * k)
                 seconds += max(after_schedule_seconds(stage, dp, pp, threads, m * k, fill_drain=True)
                                for stage in partition)
-                seconds += calibration.step_cost(dp, pp, m * k)
+                seconds += calibration.step_cost(dp, pp, m * k, chunked=True)
                 if best is None or seconds < best.predicted_seconds:
                     best = Candidate(f"{prefix} wavefront, m={m} x k={k}", dp, pp, m, tuple(map(tuple, partition)),
                                      threads, seconds, time_chunks=k, sharded=sharded)

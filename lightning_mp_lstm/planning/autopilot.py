@@ -5,7 +5,8 @@ fits, and the fastest of them chosen.
 (:func:`~lightning_mp_lstm.planning.advice.advise`: one process, data parallel, pipelines and wavefront pipelines and
 their products, each with its best microbatch count) and each candidate's memory per process
 (:func:`~lightning_mp_lstm.planning.memory.plan_memory` on the candidate's own partition). A candidate that does not
-fit is never chosen, however fast; :func:`render_ranking` prints the table with the reason each one loses.
+fit is never chosen, however fast, and one predicted less than :data:`TIE` faster than one on fewer processes loses
+to it (:func:`choose`); :func:`render_ranking` prints the table with the reason each one loses.
 
 Where replicas cannot hold their stages whole, the same layout with replicas that shard them (``shard_replicas=True``,
 ZeRO-3 over the replicas) is ranked too, with its own memory plan and step time. It is never ranked where the
@@ -27,7 +28,7 @@ from lightning_mp_lstm.planning.calibration import Calibration
 from lightning_mp_lstm.planning.layout import WAVEFRONT, ParallelLayout
 from lightning_mp_lstm.planning.memory import GIB, MIB, BatchShape, MemoryPlan, ModelMemory, plan_memory
 
-__all__ = ["RankedLayout", "choose", "rank_layouts", "render_ranking"]
+__all__ = ["TIE", "RankedLayout", "choose", "rank_layouts", "render_ranking"]
 
 
 @dataclass(frozen=True)
@@ -132,12 +133,23 @@ def _tight(plan: MemoryPlan | None) -> bool:
     return plan is not None and leaves_little_room(plan.peak, plan.budget)
 
 
+#: A candidate predicted less than this much faster than one on fewer processes is a tie, and the fewer processes
+#: win it. Predictions move about this much call to call on a shared machine: the long job's ranking twice in a row
+#: on the 2-core box predicted one process 0.0724 and 0.0646 s, and its two workers at once 1.00x and 1.18x slower
+#: than one alone (2026-11-29); a ranking that had put dp2 4 % ahead of one process picked a layout that measured
+#: 1.14x the best. Fewer processes also hold less memory in all.
+TIE = 0.10
+
+
 def choose(ranked: Sequence[RankedLayout]) -> RankedLayout:
-    """The fastest candidate that fits; where none fits, the one that needs the least memory (whose refusal then
-    says what to change)."""
+    """The candidate that fits on the fewest processes among those predicted within :data:`TIE` of the fastest that
+    fits (the fastest of them); where none fits, the one that needs the least memory (whose refusal then says what
+    to change)."""
     fitting = [r for r in ranked if r.fits]
     if fitting:
-        return fitting[0]
+        fastest = min(r.candidate.predicted_seconds for r in fitting)
+        close = [r for r in fitting if r.candidate.predicted_seconds <= (1 + TIE) * fastest]
+        return min(close, key=lambda r: (r.processes, r.candidate.predicted_seconds))
     return min(ranked, key=lambda r: r.memory.peak if r.memory is not None else 0)
 
 
@@ -152,13 +164,16 @@ def _verdict(ranked: RankedLayout, best: RankedLayout | None) -> str:
         return f"does not fit: {plan.peak / GIB:,.2f} of {plan.budget / GIB:,.2f} GiB"
     if ranked is best:
         return "chosen"
-    return f"{ranked.candidate.predicted_seconds / best.candidate.predicted_seconds:.2f}x slower"
+    ratio = ranked.candidate.predicted_seconds / best.candidate.predicted_seconds
+    if ratio < 1:
+        return f"{ratio:.2f}x: a tie, on more processes"
+    return f"{ratio:.2f}x slower"
 
 
 def render_ranking(ranked: Sequence[RankedLayout], tokens: float | None = None) -> str:
     """The ranking as a table: layout, processes, threads each, predicted seconds per step (and tokens/s when
     ``tokens`` per step is given), the fullest process's predicted peak, and why each candidate loses."""
-    best = next((r for r in ranked if r.fits), None)  # none: every row says why it does not fit
+    best = choose(ranked) if any(r.fits for r in ranked) else None  # none: every row says why it does not fit
     header = ["layout", "processes", "threads", "s/step", *(["tokens/s"] if tokens else []), "peak MiB", "verdict"]
     rows = [[r.name, str(r.processes), str(r.candidate.threads_per_process),
              f"{r.candidate.predicted_seconds:.4f}",

@@ -44,7 +44,8 @@ class Calibration:
             two processes ran an LSTM layer 1.8x slower each than one alone): 1x where not measured.
         step_costs: ``(replicas, stages, microbatches)`` -> seconds a training step of a near-zero model takes in
             that layout: what a step costs beyond its blocks (the loop, the optimizer, collectives, the messages of
-            every microbatch; measured by ``lightning_mp_lstm.app.step_cost``); none: 0.
+            every microbatch; measured by ``lightning_mp_lstm.app.step_cost``); ``(1, stages, units, 2)``: a
+            wavefront of ``units`` in 2 time chunks; none: 0.
         first_touch: bytes per second a process fills memory freshly mapped for it (a page fault per page): what
             sharded replicas pay for the parameters and gradients they gather whole at every step, each buffer mapped
             afresh (:func:`~lightning_mp_lstm.base.allocator.steady_threshold`); 0: not measured, not charged.
@@ -59,7 +60,7 @@ class Calibration:
     thread_speedup: tuple[tuple[int, float], ...]
     bandwidth: float
     crowding: tuple[tuple[int, float], ...] = ()
-    step_costs: tuple[tuple[tuple[int, int, int], float], ...] = ()
+    step_costs: tuple[tuple[tuple[int, ...], float], ...] = ()
     first_touch: float = 0.0
     collectives: tuple[tuple[tuple[str, int, int], float], ...] = ()
     update_seconds: tuple[tuple[int, float], ...] = ()
@@ -87,16 +88,20 @@ class Calibration:
         per_parameter = known[max(below)] if below else known[min(known)]
         return parameters * per_parameter * self.slowdown(processes)
 
-    def step_cost(self, replicas: int, stages: int, units: int) -> float:
+    def step_cost(self, replicas: int, stages: int, units: int, chunked: bool = False) -> float:
         """Seconds a step of ``replicas`` x ``stages`` processes and ``units`` pieces per replica batch costs beyond
         its blocks: the measured kind's, the pipeline's linear in the pieces between its two measured counts (a
-        replicated pipeline adds what replication adds to one process); 0 where the kind was not measured."""
+        replicated pipeline adds what replication adds to one process); 0 where the kind was not measured. A
+        wavefront whose units are time chunks (``chunked``) grows by its own measured line from the pipeline's
+        fewest pieces (the two cost the same at ``stages`` pieces), the pipeline's where it was not measured."""
         known = dict(self.step_costs)
         one = known.get((1, 1, 1), 0.0)
         extra = known.get((replicas, 1, 1), one) - one if replicas > 1 else 0.0
         if stages == 1:
             return known.get((replicas, 1, 1), 0.0) if replicas > 1 else one
         few, many = known.get((1, stages, stages)), known.get((1, stages, 4 * stages))
+        if chunked:
+            many = known.get((1, stages, 4 * stages, 2), many)
         if few is None:
             return extra
         slope = (many - few) / (3 * stages) if many is not None else 0.0
@@ -123,6 +128,18 @@ class Calibration:
         1x)."""
         known = dict(self.thread_speedup)
         return max([known[t] for t in known if t <= threads] or [1.0])
+
+    def summary(self) -> str:
+        """One line of what was measured, for the ranking's table: two rankings of a job can be told apart by it.
+        Thread speed-ups, crowding, transfer and first-touch speeds, and the optimizer step per million parameters."""
+        parts = [", ".join(f"{t} threads {s:.2f}x" for t, s in sorted(self.thread_speedup)) or "threads not measured",
+                 "crowding " + (", ".join(f"{p} at once {s:.2f}x" for p, s in self.crowding) or "not measured"),
+                 f"transfer {self.bandwidth / 1e9:.1f} GB/s",
+                 f"first touch {self.first_touch / 1e9:.1f} GB/s" if self.first_touch else "first touch not measured"]
+        if self.update_seconds:
+            parts.append("optimizer " + ", ".join(f"{1e9 * s:.1f} ms per M parameters on {t}"
+                                                  for t, s in self.update_seconds))
+        return "; ".join(parts)
 
 
 def check_device(device: torch.device | str) -> None:
@@ -201,16 +218,16 @@ def time_update(optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
         for tensor in tensors:
             tensor.grad = torch.full_like(tensor, 1e-3)
         stepper = make(tensors)
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
+
+        def step() -> None:
             if clip:
                 torch.nn.utils.clip_grad_norm_(tensors, 1.0)
             stepper.step()
-            times.append(time.perf_counter() - start)
+
+        seconds = _median_seconds(step, repeats, warmup=1)
     finally:
         torch.set_num_threads(before)
-    return statistics.median(times[1:]) / parameters
+    return seconds / parameters
 
 
 def copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
@@ -223,12 +240,7 @@ def copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
     """
     source = torch.ones(nbytes, dtype=torch.uint8)
     target = source.clone()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
-    return nbytes / max(statistics.median(times), 1e-9)
+    return nbytes / max(_median_seconds(lambda: target.copy_(source), repeats), 1e-9)
 
 
 def first_touch_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
@@ -236,15 +248,23 @@ def first_touch_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
     above glibc's largest mmap threshold, so each one is new pages)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    times = []
     try:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-            times.append(time.perf_counter() - start)
+        seconds = _median_seconds(lambda: torch.empty(nbytes, dtype=torch.uint8).fill_(1), repeats)
     finally:
         torch.set_num_threads(before)
-    return nbytes / max(statistics.median(times), 1e-9)
+    return nbytes / max(seconds, 1e-9)
+
+
+def _median_seconds(run: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+    """The median of ``repeats`` timed calls of ``run`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _chain_seconds(blocks: Any, rows: int, length: int) -> float:
