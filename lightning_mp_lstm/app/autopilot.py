@@ -31,7 +31,14 @@ from omegaconf import DictConfig, open_dict
 from lightning_mp_lstm.app.step_cost import COLLECTIVES, step_costs
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.models.optimizer_kernels import kernel_options
-from lightning_mp_lstm.planning.autopilot import TIE, RankedLayout, choose, rank_layouts, render_ranking
+from lightning_mp_lstm.planning.autopilot import (
+    TIE,
+    RankedLayout,
+    choose,
+    fastest_that_fits,
+    rank_layouts,
+    render_ranking,
+)
 from lightning_mp_lstm.planning.calibration import calibrate
 from lightning_mp_lstm.planning.layout import WAVEFRONT, ParallelLayout, schedule_style
 from lightning_mp_lstm.planning.memory import process_floor
@@ -213,7 +220,8 @@ def choose_layout(cfg: DictConfig, strategy: Any, model: Any, datamodule: Any) -
     if not best.fits:
         print(f"mp_lstm: no layout fits in memory; {best.name} needs the least, and its check says what to change")
     else:
-        fastest = min((r for r in ranked if r.fits), key=lambda r: r.candidate.predicted_seconds)
+        fastest = fastest_that_fits(ranked)
+        assert fastest is not None  # the pick fits
         why = ("" if best.processes > 1 else " (one process is predicted fastest here)" if best is fastest else
                f" (one process is predicted within {TIE:.0%} of the fastest, {fastest.name}: a tie)")
         print(f"mp_lstm: training on {best.name}{why}")

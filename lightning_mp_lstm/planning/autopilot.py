@@ -28,7 +28,7 @@ from lightning_mp_lstm.planning.calibration import Calibration
 from lightning_mp_lstm.planning.layout import WAVEFRONT, ParallelLayout
 from lightning_mp_lstm.planning.memory import GIB, MIB, BatchShape, MemoryPlan, ModelMemory, plan_memory
 
-__all__ = ["TIE", "RankedLayout", "choose", "rank_layouts", "render_ranking"]
+__all__ = ["TIE", "RankedLayout", "choose", "fastest_that_fits", "rank_layouts", "render_ranking"]
 
 
 @dataclass(frozen=True)
@@ -145,12 +145,17 @@ def choose(ranked: Sequence[RankedLayout]) -> RankedLayout:
     """The candidate that fits on the fewest processes among those predicted within :data:`TIE` of the fastest that
     fits (the fastest of them); where none fits, the one that needs the least memory (whose refusal then says what
     to change)."""
-    fitting = [r for r in ranked if r.fits]
-    if fitting:
-        fastest = min(r.candidate.predicted_seconds for r in fitting)
-        close = [r for r in fitting if r.candidate.predicted_seconds <= (1 + TIE) * fastest]
+    fastest = fastest_that_fits(ranked)
+    if fastest is not None:
+        limit = (1 + TIE) * fastest.candidate.predicted_seconds
+        close = [r for r in ranked if r.fits and r.candidate.predicted_seconds <= limit]
         return min(close, key=lambda r: (r.processes, r.candidate.predicted_seconds))
     return min(ranked, key=lambda r: r.memory.peak if r.memory is not None else 0)
+
+
+def fastest_that_fits(ranked: Sequence[RankedLayout]) -> RankedLayout | None:
+    """The candidate that fits with the shortest predicted step (``None``: none fits)."""
+    return min((r for r in ranked if r.fits), key=lambda r: r.candidate.predicted_seconds, default=None)
 
 
 def _peak(ranked: RankedLayout) -> str:
