@@ -89,7 +89,8 @@ COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], str]]]] = {
     "strategy_overhead": [
         _col("layout", "layout"), _col("schedule", "schedule"), _col("bare tokens/s", "bare_tokens_per_s", _whole),
         _col("mp_lstm tokens/s", "strategy_tokens_per_s", _whole),
-        _col("**mp_lstm / bare**", "ratio", _fixed_digits(3)),
+        _col("**mp_lstm / bare** (median of rounds)", "ratio", _fixed_digits(3)), _col("each round", "round_ratios"),
+        _col("pooled", "pooled_ratio", _fixed_digits(3)),
         _col("outside the schedule per rank, ms: bare / mp_lstm (before + after)", "outside_ms"),
         _col("timed steps", "timed_steps")],
     "advice": [

@@ -334,7 +334,9 @@ def section_overhead(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, An
         rows.append({"layout": setup.layout, "schedule": setup.schedule,
                      "bare_tokens_per_s": summary["bare_tokens_per_s"],
                      "strategy_tokens_per_s": summary["strategy_tokens_per_s"], "ratio": summary["ratio"],
-                     "outside_ms": outside, "timed_steps": len(result["strategy"])})
+                     "round_ratios": ", ".join(f"{r:.3f}" for r in summary["round_ratios"]),
+                     "pooled_ratio": summary["pooled_ratio"], "outside_ms": outside,
+                     "timed_steps": len(result["strategy"])})
         goals.append(_goal(f"{setup.layout} {setup.schedule}: mp_lstm / bare tokens per second", summary["ratio"],
                            GOAL, ">="))
     setup = Setup(**results[0][0]["setup"])
@@ -345,9 +347,11 @@ def section_overhead(results: list[tuple[dict, dict]], s: Sizes) -> dict[str, An
                   f"{setup.microbatches} microbatches per replica, 1 thread per rank; {s.overhead_rounds} interleaved "
                   f"round(s) of {s.overhead_steps} steps of each (bare first in even rounds, mp_lstm first in odd "
                   f"ones), the first {s.overhead_warmup} of each dropped; "
-                  "tokens/s = global tokens per step / median interval. Outside the schedule, per rank: bare / "
-                  "mp_lstm ms per step (mp_lstm's before its first span + after its last, from the timeline of a "
-                  "separate recorded run)."),
+                  "tokens/s = global tokens per step / median interval of all rounds' steps; mp_lstm / bare (the "
+                  "goal's): the median over rounds of each round's ratio (a round's two runs are neighbours in time), "
+                  "every round's beside it, and the ratio of the pooled tokens/s. Outside the schedule, per rank: "
+                  "bare / mp_lstm ms per step (mp_lstm's before its first span + after its last, from the timeline "
+                  "of a separate recorded run)."),
         "rows": rows,
         "goals": goals,
     }

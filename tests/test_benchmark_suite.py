@@ -10,6 +10,7 @@ import math
 import os
 import re
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +178,8 @@ def test_memory_overhead_and_advice_sections(quick):
     assert [(r["layout"], r["schedule"]) for r in overhead["rows"]] == [("pp2", "1F1B")]  # QUICK's one comparison
     for row in overhead["rows"]:
         assert _finite_positive(row["bare_tokens_per_s"]) and _finite_positive(row["strategy_tokens_per_s"])
-        assert math.isclose(row["ratio"], row["strategy_tokens_per_s"] / row["bare_tokens_per_s"])
+        assert math.isclose(row["pooled_ratio"], row["strategy_tokens_per_s"] / row["bare_tokens_per_s"])
+        assert row["ratio"] == pytest.approx(float(row["round_ratios"]), abs=5e-4)  # QUICK's one round, as printed
         assert re.fullmatch(r"r0 [\d.]+ / [\d.]+ \([\d.]+ \+ [\d.]+\); r1 [\d.]+ / [\d.]+ \([\d.]+ \+ [\d.]+\)",
                             row["outside_ms"]), row["outside_ms"]
     assert [g["name"] for g in overhead["goals"]] == ["pp2 1F1B: mp_lstm / bare tokens per second"]
@@ -394,7 +396,26 @@ def test_the_overhead_rounds_alternate_which_run_goes_first(one_process_group, m
     assert calls == ["bare", "strategy", "strategy", "bare", "bare", "strategy", "strategy", "bare", "recorded"]
     assert len(result["bare"]) == len(result["strategy"]) == 4 * 4
     assert result["bare_outside"] == pytest.approx(0.05)
+    assert result["rounds"] == [pytest.approx((0.2, 0.25))] * 4
     assert overhead.summarize(result)["ratio"] == pytest.approx(0.8)
+
+
+def test_the_overhead_ratio_is_the_median_of_each_rounds_ratio():
+    """The goal's ratio pairs each round's two runs (neighbours in time): a machine twice as slow in one round
+    moves the pooled medians but not the rounds' ratios."""
+    from benchmarks import overhead
+
+    rounds = [(0.20, 0.21), (0.20, 0.20), (0.40, 0.42), (0.40, 0.42), (0.40, 0.40)]
+    result = {"setup": asdict(overhead.Setup(rows=10, length=10)), "rounds": rounds,
+              "bare": [0.20, 0.20, 0.40, 0.40, 0.40], "strategy": [0.21, 0.20, 0.42, 0.42, 0.40]}
+    summary = overhead.summarize(result)
+    assert summary["round_ratios"] == pytest.approx([0.2 / 0.21, 1.0, 0.4 / 0.42, 0.4 / 0.42, 1.0])
+    assert summary["ratio"] == pytest.approx(0.4 / 0.42)
+    assert summary["pooled_ratio"] == 1.0  # pooled, a slow round's steps stand in for the other run's
+    assert summary["bare_tokens_per_s"] == pytest.approx(100 / 0.4)
+    result["rounds"] = [(0.20, 0.21), (0.20, 0.20), (0.20, 0.20), (0.40, 0.42), (0.40, 0.40)]
+    result["strategy"] = [0.21, 0.20, 0.20, 0.42, 0.40]
+    assert overhead.summarize(result)["ratio"] == 1.0  # three of five rounds even
 
 
 def test_the_autopilot_section_holds_the_schema_and_judges_the_pick_against_the_best_measured():
@@ -514,3 +535,35 @@ def test_the_main_jobs_floor_is_measured_in_the_layout_the_job_ran():
                            optimizer="adam", lr=0.005, clip=0.25)
     floor = main_job.bare_floor(2, 4, setup, layout="single")
     assert floor["layout"] == "single" and floor["median_step_s"] > 0 and 0.0 < floor["median_outside_schedule"] < 1
+
+
+class _Clocked:
+    """A stand-in for a clocked part: its method takes as long as it is told."""
+
+    def work(self, seconds: float) -> str:
+        import time
+
+        time.sleep(seconds)
+        return "done"
+
+
+def test_step_parts_clocks_each_part_and_leaves_lightnings_closure_as_the_rest(monkeypatch):
+    """``benchmarks/step_parts.py``: a clock around a named method keeps its result and times every call; the rest
+    of the optimizer step is what its own parts do not account for."""
+    from benchmarks import step_parts
+
+    monkeypatch.setattr(_Clocked, "work", _Clocked.work)  # restored after the test
+    seconds = step_parts.clocked({"work": ("tests.test_benchmark_suite", "_Clocked.work")})
+    assert _Clocked().work(0.01) == "done" and _Clocked().work(0.02) == "done"
+    assert len(seconds["work"]) == 2 and 0.01 <= seconds["work"][0] < seconds["work"][1]
+
+    per_call = {"loop step (Lightning's advance)": 40.0, "optimizer step, closure included": 36.0,
+                "training step": 30.0, "zero_grad": 0.25, "gradients handed to backward": 0.1,
+                "clip by the global norm": 0.9, "Adam kernel (fused)": 0.6, "LightningModule.log": 1.3}
+    calls = {label: [1e-3 * ms] * 10 for label, ms in per_call.items()}
+    calls["LightningModule.log"] = [5.0] * 2 + [1.3e-3] * 18  # two calls a step; the first step's were slow
+    rows = {r["part"]: r for r in step_parts.summarize(calls, steps=10, first=1)}
+    assert rows["LightningModule.log"]["calls_per_step"] == 2.0
+    assert rows["LightningModule.log"]["median_ms"] == pytest.approx(1.3)
+    rest = rows["Lightning's closure and hooks (the rest of the optimizer step)"]["median_ms"]
+    assert rest == pytest.approx(36.0 - 30.0 - 0.25 - 0.1 - 0.9 - 0.6)
