@@ -335,6 +335,26 @@ def test_a_shapes_first_step_is_warm_up_reported_apart():
     assert main_job.summarize(rows, first=4)["slowest_step"] == 10
 
 
+def test_the_main_jobs_tail_is_held_against_the_floor_at_the_floors_own_shape():
+    """A tail's share grows as steps shorten: the goal compares the main job's steps of the bare loop's shape; the
+    whole bucket mix's median stays beside it, and stands in when no step had that shape."""
+    setup = main_job.Setup(vocab_size=50, embedding_dim=8, hidden_size=8, num_layers=2, rows=4, length=5)
+    short = [{"step": i, "step_s": 0.010, "tail": 0.30, "tokens_per_s": 1.0, "elements": 8.0} for i in range(5)]
+    floor_shape = [{"step": 5 + i, "step_s": 0.020, "tail": 0.15, "tokens_per_s": 1.0, "elements": 20.0}
+                   for i in range(4)]
+    summary = main_job.summarize(short + floor_shape)
+    assert summary["by_shape"][20.0] == {"steps": 3, "median_step_s": 0.02, "median_tail": 0.15,
+                                         "median_tail_s": pytest.approx(0.003)}
+    floor = {"median_outside_schedule": 0.12, "median_step_s": 0.025, "median_outside_s": 0.0025}
+    held = main_job.against_floor(summary, floor, setup)
+    assert held["tail_over_floor_points"] == pytest.approx(3.0) and held["floor_shape_steps"] == 3
+    assert held["mix_tail_over_floor_points"] == pytest.approx(18.0)  # the mix's median is a short step's tail
+    assert held["tail_ms_at_floor_shape"] == pytest.approx(3.0) and held["floor_tail_ms"] == pytest.approx(2.5)
+    elsewhere = main_job.against_floor(main_job.summarize(short), floor, setup)
+    assert elsewhere == {"tail_over_floor_points": pytest.approx(18.0),
+                         "mix_tail_over_floor_points": pytest.approx(18.0), "floor_shape_steps": 0}
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.processes
 def test_the_main_job_benchmark_measures_the_bare_loop_beside_it():

@@ -66,6 +66,25 @@ def test_the_padded_model_is_the_unpadded_one_on_the_real_words():
     assert int(predicted[1]["next_token"].max()) < VOCAB
 
 
+def test_the_decoder_masks_its_padding_in_place_with_the_gradients_of_an_out_of_place_mask():
+    torch.manual_seed(0)
+    decoder = PaddedDecoder(6, 10, words=7)
+    reference = torch.nn.Linear(6, 10)
+    reference.load_state_dict(decoder.state_dict())
+    data = torch.randn(3, 4, 6)
+    inputs = [data.clone().requires_grad_() for _ in range(2)]
+    upstream = torch.randn(3, 4, 10)  # nonzero on the padding too: none of it may reach the weights or inputs
+    logits = decoder(inputs[0])
+    expected = reference(inputs[1]).masked_fill(torch.arange(10) >= 7, float("-inf"))
+    assert torch.equal(logits, expected) and torch.isneginf(logits[..., 7:]).all()
+    (logits * upstream).masked_fill(logits.isinf(), 0).sum().backward()
+    (expected * upstream).masked_fill(expected.isinf(), 0).sum().backward()
+    for got, want in ((decoder.weight.grad, reference.weight.grad), (decoder.bias.grad, reference.bias.grad),
+                      (inputs[0].grad, inputs[1].grad)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert decoder.weight.grad[7:].abs().max() == 0 and decoder.bias.grad[7:].abs().max() == 0
+
+
 def _model() -> LSTMLanguageModel:
     return tiny_model(vocab=VOCAB, pad_vocab_to_multiple_of=MULTIPLE, optimizer="adam", lr=0.02)
 
