@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks import main_job, run, sections
+from benchmarks import main_job, replica_sums, run, sections
 from benchmarks.schema import SCHEMA, SECTIONS, SchemaError, validate
 from benchmarks.sizes import LAYOUTS, QUICK
-from tests.helpers import ROOT, run_command
+from tests.helpers import ROOT, run_command, run_ranks
 
 SCRIPT = ROOT / "benchmarks" / "run.py"
 
@@ -333,6 +333,23 @@ def test_a_shapes_first_step_is_warm_up_reported_apart():
     assert summary["slowest_over_its_shape_median"] == pytest.approx(1.0) and all(summary["goals"].values())
     rows[10] = {**rows[10], "step_s": 0.04}  # a later step of that shape stalls: counted
     assert main_job.summarize(rows, first=4)["slowest_step"] == 10
+
+
+def test_replica_sums_are_judged_per_round_against_the_librarys_sums():
+    medians = {"sums": [0.10, 0.20, 0.10], "replicate": [0.13, 0.24, 0.10], "ddp": [0.09, 0.22, 0.11]}
+    assert replica_sums.summarize(medians) == pytest.approx({"sums": 1.0, "replicate": 1.2, "ddp": 1.1})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.processes
+def test_the_three_ways_replicas_sum_their_gradients_train_the_same_model():
+    """The library's sums, torch's replicate and DDP step the same gradient (the global batch's mean loss's)."""
+    setup = replica_sums.Setup(vocab_size=50, embedding_dim=8, hidden_size=8, num_layers=2, rows=4, length=6,
+                               optimizer="adam", lr=0.01)
+    first = run_ranks(replica_sums._worker, 2, 1, 3, 1, setup, timeout=150)[0]
+    assert set(first["medians"]) == set(replica_sums.VARIANTS)
+    assert all(len(times) == 1 and times[0] > 0 for times in first["medians"].values())
+    assert first["apart"]["sums"] == 0.0 and first["apart"]["ddp"] < 1e-6 and first["apart"]["replicate"] < 1e-5
 
 
 def test_the_main_jobs_tail_is_held_against_the_floor_at_the_floors_own_shape():
