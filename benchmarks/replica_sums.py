@@ -1,7 +1,8 @@
 """How two replicas sum their gradients, three ways, on the same model and batches: the library's sums after the
 backward pass (``pipeline.gradients.all_reduce_gradients``: every all-reduce posted at once, then waited), torch's
 ``replicate`` (FSDP2-based, ``torch.distributed._composable.replicate_with_fsdp``: the sums bucketed and overlapped
-with the backward pass; torchtitan applies it to each stage's module) and torch's ``DistributedDataParallel``.
+with the backward pass; torchtitan applies torch's data parallelism to each stage's module) and torch's
+``DistributedDataParallel``.
 
 One process per replica, one thread each, each its half of the global batch; rounds interleaved (the order reversed
 every other round) and each variant's first ``--warmup`` steps dropped. Prints each variant's median step per
