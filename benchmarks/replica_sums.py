@@ -1,5 +1,7 @@
-"""How two replicas sum their gradients, three ways, on the same model and batches: the library's sums after the
-backward pass (``pipeline.gradients.all_reduce_gradients``: every all-reduce posted at once, then waited), torch's
+"""How two replicas sum their gradients, four ways, on the same model and batches: the library's sums after the
+backward pass (``pipeline.gradients.all_reduce_gradients``: every all-reduce posted at once, then waited), the
+library's sums posted during the backward pass as each gradient is accumulated (``pipeline.replica_sums``, what the
+engine does since the thirteenth session), torch's
 ``replicate`` (FSDP2-based, ``torch.distributed._composable.replicate_with_fsdp``: the sums bucketed and overlapped
 with the backward pass; torchtitan applies torch's data parallelism to each stage's module) and torch's
 ``DistributedDataParallel``.
@@ -32,13 +34,14 @@ from benchmarks.overhead import Setup, batches, model_of, optimizer_of, start_ra
 from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 from lightning_mp_lstm.models.lstm_language_model import token_loss_sum  # noqa: E402
 from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients  # noqa: E402
+from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums  # noqa: E402
 
 __all__ = ["SETUP", "VARIANTS", "main", "summarize", "train_replica"]
 
 #: The strategy-overhead model (4 x LSTM 256, vocabulary 2,000), a global batch of 32 x 35, Adam.
 SETUP = Setup(rows=32, length=35, optimizer="adam", lr=0.001)
 #: Each variant: how its replica's gradients are summed.
-VARIANTS = ("sums", "replicate", "ddp")
+VARIANTS = ("sums", "overlapped", "replicate", "ddp")
 
 
 def _wrapped(model: nn.Module, variant: str) -> nn.Module:
@@ -65,14 +68,23 @@ def train_replica(variant: str, steps: int, warmup: int, setup: Setup = SETUP) -
     net = _wrapped(model, variant)
     optimizer = optimizer_of(setup, list(net.parameters()))
     share = setup.rows // replicas
-    tokens = share * setup.length if variant != "sums" else setup.rows * setup.length
+    tokens = share * setup.length if variant in ("replicate", "ddp") else setup.rows * setup.length
+    sums = ReplicaSums(dist.group.WORLD) if variant == "overlapped" else None
+    if sums is not None:
+        sums.attach({0: model})
     times = []
     for inputs, targets in batches(steps, setup):
         inputs, targets = (t[rank * share:(rank + 1) * share] for t in (inputs, targets))
         started = time.perf_counter()
         optimizer.zero_grad()
         logits, _ = net(inputs)
-        (token_loss_sum(logits, targets) / tokens).backward()
+        if sums is not None:
+            with sums.step(), sums.posting(0):
+                (token_loss_sum(logits, targets) / tokens).backward()
+            summed = sums.finish()
+            all_reduce_gradients([p for p in net.parameters() if id(p) not in summed], dist.group.WORLD)
+        else:
+            (token_loss_sum(logits, targets) / tokens).backward()
         if variant == "sums":
             all_reduce_gradients(net.parameters(), dist.group.WORLD)
         optimizer.step()

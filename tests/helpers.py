@@ -275,7 +275,8 @@ def cpu_engine(module: torch.nn.Module, layout: Any, rank: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_mp_lstm.models.binding import pipeline_model
-    from lightning_mp_lstm.pipeline.engine import ProcessGroups, build_engine
+    from lightning_mp_lstm.pipeline.engine import build_engine
+    from lightning_mp_lstm.pipeline.groups import ProcessGroups
     from lightning_mp_lstm.planning.layout import MESH_DIMS
     from lightning_mp_lstm.planning.partition import even_partition
 

@@ -342,14 +342,16 @@ def test_replica_sums_are_judged_per_round_against_the_librarys_sums():
 
 @pytest.mark.timeout(180)
 @pytest.mark.processes
-def test_the_three_ways_replicas_sum_their_gradients_train_the_same_model():
-    """The library's sums, torch's replicate and DDP step the same gradient (the global batch's mean loss's)."""
+def test_the_four_ways_replicas_sum_their_gradients_train_the_same_model():
+    """The library's sums after and during the backward pass, torch's replicate and DDP step the same gradient (the
+    global batch's mean loss's); the sums posted during the backward pass are the same sums, to the bit."""
     setup = replica_sums.Setup(vocab_size=50, embedding_dim=8, hidden_size=8, num_layers=2, rows=4, length=6,
                                optimizer="adam", lr=0.01)
     first = run_ranks(replica_sums._worker, 2, 1, 3, 1, setup, timeout=150)[0]
     assert set(first["medians"]) == set(replica_sums.VARIANTS)
     assert all(len(times) == 1 and times[0] > 0 for times in first["medians"].values())
-    assert first["apart"]["sums"] == 0.0 and first["apart"]["ddp"] < 1e-6 and first["apart"]["replicate"] < 1e-5
+    assert first["apart"]["sums"] == 0.0 and first["apart"]["overlapped"] == 0.0
+    assert first["apart"]["ddp"] < 1e-6 and first["apart"]["replicate"] < 1e-5
 
 
 def test_the_main_jobs_tail_is_held_against_the_floor_at_the_floors_own_shape():

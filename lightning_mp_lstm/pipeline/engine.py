@@ -4,9 +4,10 @@
 makes its stages and the :class:`PipelineEngine` that runs them. The engine keeps one ``PipelineStage`` + schedule
 per batch shape (a stage sizes its receive buffers at its first step: MXNet's "one executor per bucket"; for
 ``schedule="Wavefront"`` a :class:`~lightning_mp_lstm.pipeline.wavefront.WavefrontSchedule`), at most
-``max_cached_shapes`` of them, normalizes the loss by the global batch's token count, and after the backward pass
-sums gradients over replicas and tied copies and clips them by the global norm. The training loop (the ``mp_lstm``
-strategy, or any other) owns the engine and calls it; the model never holds it.
+``max_cached_shapes`` of them, normalizes the loss by the global batch's token count, sums gradients over replicas
+(during the backward pass where it can: :mod:`~lightning_mp_lstm.pipeline.replica_sums`) and tied copies, and clips
+them by the global norm. The training loop (the ``mp_lstm`` strategy, or any other) owns the engine and calls it;
+the model never holds it.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.models.contract import PipelineModel
 from lightning_mp_lstm.pipeline import predictions
 from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients, clip_grad_norm_
+from lightning_mp_lstm.pipeline.groups import ProcessGroups
+from lightning_mp_lstm.pipeline.groups import shared as _shared
 from lightning_mp_lstm.pipeline.norm_exchange import NormExchange
+from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums
 from lightning_mp_lstm.pipeline.sharding import largest_share, reshard
 from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness
 from lightning_mp_lstm.pipeline.tied import TiedWeights
@@ -36,7 +39,7 @@ from lightning_mp_lstm.pipeline.wavefront import WavefrontSchedule
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.timeline.recorder import RECORDER
 
-__all__ = ["PipelineEngine", "ProcessGroups", "StepResult", "build_engine", "split_model"]
+__all__ = ["PipelineEngine", "StepResult", "build_engine", "split_model"]
 
 #: The tags of the loss terms the last stage's rank sends and of the clip's norms (apart from the schedules' messages).
 _TERMS_TAG, _NORM_TAG = 1 << 20, (1 << 20) + 1
@@ -57,26 +60,6 @@ class StepResult:
     tokens: torch.Tensor
     weights: torch.Tensor | None = None
     terms: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ProcessGroups:
-    """The process groups of this process's place in the mesh: its pipeline, its stage's replicas, its stage's
-    tensor-parallel shards (each may have one member)."""
-
-    pipeline: dist.ProcessGroup
-    data_parallel: dist.ProcessGroup
-    tensor_parallel: dist.ProcessGroup
-
-    @classmethod
-    def of(cls, mesh: DeviceMesh) -> ProcessGroups:
-        """The groups of a ``(data_parallel, pipeline_parallel, tensor_parallel)`` mesh."""
-        return cls(*(mesh[name].get_group() for name in ("pipeline_parallel", "data_parallel", "tensor_parallel")))
-
-
-def _shared(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` has other members than this process."""
-    return dist.get_world_size(group) > 1
 
 
 def split_model(model: PipelineModel, partition: Sequence[Sequence[str]], stage_ids: Sequence[int],
@@ -168,11 +151,15 @@ class PipelineEngine:
                                        for s in (term_stages or [layout.num_stages - 1]))
         self._sends: list[Any] = []
         self._norms = NormExchange(groups.pipeline, device, _NORM_TAG)
+        #: Replicated gradients summed during the backward pass; ``_summed``: the ids of the parameters it summed.
+        self.replica_sums = ReplicaSums(groups.data_parallel) if _shared(groups.data_parallel) else None
+        self._summed: set[int] = set()
 
     # ----- running batches ---------------------------------------------------------------------------------
     def forward_backward(self, batch: Any, accumulation: int = 1) -> StepResult:
         """Run a training batch forward and backward: this process's parameters get the batch's gradients added to
-        their ``.grad`` (not yet summed over replicas: see :meth:`reduce_gradients`).
+        their ``.grad``, summed over the replicas where the backward pass could post their sums
+        (:mod:`~lightning_mp_lstm.pipeline.replica_sums`); :meth:`reduce_gradients` sums the rest.
 
         Args:
             batch: ``(inputs, targets, ...)`` in the model's batch layout (this replica's share).
@@ -180,7 +167,15 @@ class PipelineEngine:
         """
         for module in self.stage_modules.values():
             module.reset_finite_checks()
-        return self._run(batch, "train", accumulation)
+        self._summed = set()
+        sums = self.replica_sums
+        if sums is None or self.sharded or accumulation > 1:  # accumulated gradients are summed at the last batch
+            return self._run(batch, "train", accumulation)
+        sums.attach(self.stage_modules)
+        with sums.step():
+            result = self._run(batch, "train", accumulation)
+        self._summed = sums.finish()
+        return result
 
     def evaluate(self, batch: Any) -> StepResult:
         """The loss of an evaluation batch (forward only)."""
@@ -310,7 +305,8 @@ class PipelineEngine:
         """Sum gradients over the data-parallel replicas and over the owners of each tied weight (once per
         optimizer step, before clipping: the global norm must see the summed gradient)."""
         if not self.sharded:  # sharded: FSDP reduced them after the schedule's last backward
-            all_reduce_gradients(parameters, self.groups.data_parallel)
+            all_reduce_gradients([p for p in parameters if id(p) not in self._summed], self.groups.data_parallel)
+        self._summed = set()
         self.tied.all_reduce()
 
     def expect_clip(self) -> None:
@@ -427,7 +423,7 @@ class PipelineEngine:
         loss_fn = self._loss_fn if mode != "predict" else None
         if layout.style == "wavefront":  # this library's own loop: chunks of the time axis
             return WavefrontSchedule(self.stage_modules, layout, self.groups.pipeline, self.device, rows, length,
-                                     layout.time_chunks, loss_fn)
+                                     layout.time_chunks, loss_fn, self.replica_sums)
         if layout.stages_per_rank > 1 and mode != "train":
             # torch 2.13's schedules of several stages per process cannot always run forward only (ZBVZeroBubble, and
             # Interleaved1F1B on one process, ask a stage without backward for its input gradient): evaluation goes
@@ -435,8 +431,8 @@ class PipelineEngine:
             return WavefrontSchedule(self.stage_modules, layout, self.groups.pipeline, self.device, rows, length, 1,
                                      loss_fn)
         ahead = layout.style == "single" and posts_receives_ahead(self.groups.pipeline)  # Stage.receive_ahead
-        stages = [Stage(module, index, layout.num_stages, self.device, group=self.groups.pipeline, receive_ahead=ahead)
-                  for index, module in self.stage_modules.items()]
+        stages = [Stage(module, index, layout.num_stages, self.device, group=self.groups.pipeline, receive_ahead=ahead,
+                        replica_sums=self.replica_sums) for index, module in self.stage_modules.items()]
         schedule_cls = get_schedule_class(layout.schedule)
         target = stages[0] if layout.style == "single" else stages
         recorded = self._recorded_loss_fn if loss_fn is not None else None

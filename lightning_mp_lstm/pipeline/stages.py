@@ -21,6 +21,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from typing_extensions import override
 
 from lightning_mp_lstm.models.blocks import TimeChunk
+from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums
 from lightning_mp_lstm.pipeline.sharding import reduce_after_this_backward
 from lightning_mp_lstm.timeline.recorder import RECORDER
 
@@ -212,11 +213,14 @@ class Stage(PipelineStage):
             (:func:`~lightning_mp_lstm.pipeline.transport.posts_receives_ahead`) and for one stage per process:
             each peer then sends this stage one kind of message, in microbatch order, which is the order the posted
             receives take them.
+        replica_sums: sums the replicated gradients of the stage's last backward as they are accumulated.
     """
 
-    def __init__(self, *args: Any, receive_ahead: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, receive_ahead: bool = False, replica_sums: ReplicaSums | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.receive_ahead = receive_ahead
+        self.replica_sums = replica_sums
         self._posted: dict[tuple[str, int], list[Any]] = {}
 
     @override
@@ -238,8 +242,11 @@ class Stage(PipelineStage):
 
     @override
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        if not (last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule)):
+        if not (last_backward and backward_type == "full"):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if not isinstance(self.submod, FSDPModule):
+            with nullcontext() if self.replica_sums is None else self.replica_sums.posting(self.stage_index):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         # Sharded replicas, the last microbatch: FSDP's own hooks reduce-scatter each block's summed gradient as its
         # backward ends (overlapped with the blocks before it) and free its gathered parameters and whole gradient;
         # torch's stage would keep them all until after the backward pass (its later reduction, or a multi-stage

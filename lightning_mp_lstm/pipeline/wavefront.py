@@ -24,12 +24,14 @@ a carried state; its custom-order runtime is private API. Nothing private is use
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums
 from lightning_mp_lstm.pipeline.sharding import reduce_after_this_backward
 from lightning_mp_lstm.pipeline.stages import StageModule
 from lightning_mp_lstm.planning.layout import ParallelLayout
@@ -73,12 +75,16 @@ class WavefrontSchedule:
         rows: rows of the (padded) replica batch; ``length``: its time steps.
         time_chunks: chunks of the time axis (at most ``length`` are used).
         loss_fn: ``(outputs, targets) -> loss`` of the last stage, or ``None`` (prediction).
+        replica_sums: sums the replicated gradients of each stage's last backward (its first unit) as they are
+            accumulated.
     """
 
     def __init__(self, stages: dict[int, StageModule], layout: ParallelLayout, group: dist.ProcessGroup | None,
                  device: torch.device, rows: int, length: int, time_chunks: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                 replica_sums: ReplicaSums | None = None) -> None:
         self.stages, self.layout, self.group, self.device = stages, layout, group, device
+        self.replica_sums = replica_sums
         self.loss_fn = loss_fn
         self.num_stages = layout.num_stages
         self.rows = layout.n_microbatches
@@ -208,7 +214,8 @@ class WavefrontSchedule:
                         tensors.append(tensor)
                         grads.append(leaf.grad)
         reduce_after_this_backward(self.stages[s], last=u == 0)  # units run backward last to first
-        with RECORDER.span("backward", s, u):
+        sums = self.replica_sums.posting(s) if u == 0 and self.replica_sums is not None else nullcontext()
+        with RECORDER.span("backward", s, u), sums:
             if unit.out is not None and unit.out.requires_grad:
                 torch.autograd.backward(tensors, grads)
         if s > 0:

@@ -31,7 +31,8 @@ from lightning_mp_lstm.base.faults import PeerDirectory, forget_object_groups, s
 from lightning_mp_lstm.models.contract import PipelineModel, check_data
 from lightning_mp_lstm.models.declaration import ModelDeclarationError
 from lightning_mp_lstm.models.module_audit import NotReproducedWarning, audit, parameters_outside, render_findings
-from lightning_mp_lstm.pipeline.engine import PipelineEngine, ProcessGroups, build_engine
+from lightning_mp_lstm.pipeline.engine import PipelineEngine, build_engine
+from lightning_mp_lstm.pipeline.groups import ProcessGroups
 from lightning_mp_lstm.pipeline.sharding import shard_stages
 from lightning_mp_lstm.pipeline.tied import TiedWeights
 from lightning_mp_lstm.planning.layout import WAVEFRONT, LayoutError, ParallelLayout, schedule_style

@@ -1,0 +1,130 @@
+"""Replicated gradients summed over the data-parallel replicas while the backward pass still runs (what DDP's reducer
+does), for every schedule of this library.
+
+A stage's last backward of the step (its last microbatch; the wavefront's first unit) runs inside
+:meth:`ReplicaSums.posting`: as each of its parameters' gradient is accumulated for the last time, its all-reduce is
+posted at once, so the sums of the last blocks travel while the earlier blocks' backward is computed. The step waits
+for them when the schedule has returned (:meth:`ReplicaSums.finish`), before anything after the backward pass reads a
+gradient; whatever was not posted (a split backward pass's weight gradients, a parameter two stages of this process
+hold, accumulated batches) is summed after the schedule, as before.
+
+Why not DDP on each stage (torch's pipeline stages drive it): a stage's decoder may run inside the loss, outside the
+stage's forward, and this library's wavefront schedule is not torch's; DDP would also need every parameter's gradient
+in one backward call and wraps the module whose names the checkpoints keep. Why not a flat bucket: on gloo a flat
+copy of MXNet's 16 M gradients was slower than one all-reduce per gradient, all posted at once
+(:func:`~lightning_mp_lstm.pipeline.gradients.all_reduce_gradients`), and a stage holds a few large gradients.
+
+On a GPU the order is NCCL's: a posted all-reduce waits on the stream that accumulated the gradient, and a
+:meth:`~torch.distributed.Work.wait` makes the current stream wait for it (the host does not block), so the optimizer
+and the clip, queued after :meth:`ReplicaSums.finish`, read the sums.
+
+A gradient accumulated again after its sum was posted (a block that checkpoints with ``use_reentrant=True`` runs a
+backward call of its own per use of a parameter) is not lost: its sum is waited for before the new part is added, and
+the new parts' own sum replaces them at :meth:`ReplicaSums.finish`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mp_lstm.pipeline.gradients import local_tensor
+
+__all__ = ["ReplicaSums"]
+
+
+class ReplicaSums:
+    """The sums of one process's replicated gradients over its stages' replicas, posted during the backward pass.
+
+    Args:
+        group: the data-parallel group (more than one member).
+
+    Attributes:
+        overlapped: how many parameters' gradients the last step summed during its backward pass.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.overlapped = 0
+        self._attached: set[int] = set()
+        self._handles: list[Any] = []
+        self._on = False
+        self._armed: set[int] = set()
+        self._posted: dict[int, tuple[nn.Parameter, Any]] = {}
+        self._again: dict[int, list[torch.Tensor]] = {}
+
+    def attach(self, stage_modules: dict[int, nn.Module]) -> None:
+        """Hook every parameter that exactly one of ``stage_modules`` (global stage index -> module) holds (once per
+        parameter; a parameter two stages of this process hold gets the rest of its gradient after the first's last
+        backward, and is summed after the schedule)."""
+        owners = Counter(id(p) for module in stage_modules.values() for p in module.parameters())
+        for index, module in stage_modules.items():
+            for p in module.parameters():
+                if owners[id(p)] != 1 or id(p) in self._attached or not p.requires_grad:
+                    continue
+                self._attached.add(id(p))
+                self._handles.append(p.register_hook(partial(self._before_accumulating, p)))
+                self._handles.append(p.register_post_accumulate_grad_hook(partial(self._accumulated, index)))
+
+    def detach(self) -> None:
+        """Remove every hook :meth:`attach` registered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._attached = [], set()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """A training step whose gradients start at zero: :meth:`posting` posts sums inside it."""
+        self._on, self._posted, self._again = True, {}, {}  # nothing left from a step that raised
+        try:
+            yield
+        finally:
+            self._on = False
+
+    @contextmanager
+    def posting(self, stage: int) -> Iterator[None]:
+        """Stage ``stage``'s last backward call of the step: each of its gradients is summed once accumulated."""
+        if not self._on:
+            yield
+            return
+        self._armed.add(stage)
+        try:
+            yield
+        finally:
+            self._armed.discard(stage)
+
+    def _accumulated(self, stage: int, p: nn.Parameter) -> None:
+        if stage not in self._armed or id(p) in self._posted or p.grad is None:
+            return
+        grad = local_tensor(p.grad)
+        if grad.is_contiguous():  # a strided one is summed after the schedule (all_reduce needs one block)
+            self._posted[id(p)] = (p, dist.all_reduce(grad, group=self.group, async_op=True))
+
+    def _before_accumulating(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        posted = self._posted.get(id(p))
+        if posted is not None:  # more of a gradient whose sum is in flight: let the sum land, keep the new part aside
+            posted[1].wait()
+            self._again.setdefault(id(p), []).append(local_tensor(grad).detach().clone())
+
+    def finish(self) -> set[int]:
+        """Wait for every sum posted in this step; return the ids of the parameters whose gradients are now summed
+        over the replicas."""
+        for key, (p, work) in self._posted.items():
+            work.wait()
+            late = self._again.pop(key, None)
+            if late:  # the gradient is the parts' sum plus this replica's later parts: swap those for their sum
+                local = torch.stack(late).sum(0)
+                total = local.clone()
+                dist.all_reduce(total, group=self.group)
+                local_tensor(p.grad).add_(total.sub_(local))
+        summed = set(self._posted)
+        self.overlapped = len(summed)
+        self._posted, self._again = {}, {}
+        return summed
