@@ -3,10 +3,11 @@ does), for every schedule of this library.
 
 A stage's last backward of the step (its last microbatch; the wavefront's first unit) runs inside
 :meth:`ReplicaSums.posting`: as each of its parameters' gradient is accumulated for the last time, its all-reduce is
-posted at once, so the sums of the last blocks travel while the earlier blocks' backward is computed. The step waits
-for them when the schedule has returned (:meth:`ReplicaSums.finish`), before anything after the backward pass reads a
-gradient; whatever was not posted (a split backward pass's weight gradients, a parameter two stages of this process
-hold, accumulated batches) is summed after the schedule, as before.
+posted at once, so the sums of the last blocks travel while the earlier blocks' backward is computed (a split
+backward pass, whose weight gradients torch adds itself, posts its stage's sums after its last weight pass). The step
+waits for them when the schedule has returned (:meth:`ReplicaSums.finish`), before anything after the backward pass
+reads a gradient; whatever was not posted (a parameter two stages of this process hold, accumulated batches) is
+summed after the schedule, as before.
 
 Why not DDP on each stage (torch's pipeline stages drive it): a stage's decoder may run inside the loss, outside the
 stage's forward, and this library's wavefront schedule is not torch's; DDP would also need every parameter's gradient
@@ -53,31 +54,27 @@ class ReplicaSums:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.overlapped = 0
-        self._attached: set[int] = set()
         self._handles: list[Any] = []
+        self._params_of: dict[int, list[nn.Parameter]] = {}
         self._on = False
         self._armed: set[int] = set()
         self._posted: dict[int, tuple[nn.Parameter, Any]] = {}
         self._again: dict[int, list[torch.Tensor]] = {}
 
     def attach(self, stage_modules: dict[int, nn.Module]) -> None:
-        """Hook every parameter that exactly one of ``stage_modules`` (global stage index -> module) holds (once per
-        parameter; a parameter two stages of this process hold gets the rest of its gradient after the first's last
-        backward, and is summed after the schedule)."""
+        """Hook every parameter that exactly one of ``stage_modules`` (global stage index -> module) holds, at the
+        first call (a parameter two stages of this process hold gets the rest of its gradient after the first's last
+        backward, and is summed after the schedule; one added later, too)."""
+        if self._handles:
+            return
         owners = Counter(id(p) for module in stage_modules.values() for p in module.parameters())
         for index, module in stage_modules.items():
             for p in module.parameters():
-                if owners[id(p)] != 1 or id(p) in self._attached or not p.requires_grad:
+                if owners[id(p)] != 1 or not p.requires_grad:
                     continue
-                self._attached.add(id(p))
+                self._params_of.setdefault(index, []).append(p)
                 self._handles.append(p.register_hook(partial(self._before_accumulating, p)))
                 self._handles.append(p.register_post_accumulate_grad_hook(partial(self._accumulated, index)))
-
-    def detach(self) -> None:
-        """Remove every hook :meth:`attach` registered."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._attached = [], set()
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -100,8 +97,19 @@ class ReplicaSums:
         finally:
             self._armed.discard(stage)
 
+    def post_stage(self, stage: int) -> None:
+        """Post the sums of stage ``stage``'s gradients now (inside :meth:`posting`): for a backward pass that sets
+        them without autograd's accumulation (torch's split backward adds its weight gradients itself)."""
+        if stage in self._armed:
+            for p in self._params_of.get(stage, []):
+                self._post(p)
+
     def _accumulated(self, stage: int, p: nn.Parameter) -> None:
-        if stage not in self._armed or id(p) in self._posted or p.grad is None:
+        if stage in self._armed:
+            self._post(p)
+
+    def _post(self, p: nn.Parameter) -> None:
+        if id(p) in self._posted or p.grad is None:
             return
         grad = local_tensor(p.grad)
         if grad.is_contiguous():  # a strided one is summed after the schedule (all_reduce needs one block)

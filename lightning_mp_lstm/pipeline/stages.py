@@ -242,17 +242,25 @@ class Stage(PipelineStage):
 
     @override
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        if not (last_backward and backward_type == "full"):
+        if not last_backward:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if not isinstance(self.submod, FSDPModule):
-            with nullcontext() if self.replica_sums is None else self.replica_sums.posting(self.stage_index):
+        if isinstance(self.submod, FSDPModule):
+            if backward_type != "full":
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        # Sharded replicas, the last microbatch: FSDP's own hooks reduce-scatter each block's summed gradient as its
-        # backward ends (overlapped with the blocks before it) and free its gathered parameters and whole gradient;
-        # torch's stage would keep them all until after the backward pass (its later reduction, or a multi-stage
-        # schedule's REDUCE_GRAD action, then finds none).
-        reduce_after_this_backward(self.submod, last=True)
-        return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
+            # Sharded replicas, the last microbatch: FSDP's own hooks reduce-scatter each block's summed gradient as
+            # its backward ends (overlapped with the blocks before it) and free its gathered parameters and whole
+            # gradient; torch's stage would keep them all until after the backward pass (its later reduction, or a
+            # multi-stage schedule's REDUCE_GRAD action, then finds none).
+            reduce_after_this_backward(self.submod, last=True)
+            return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                  bwd_kwargs["input_values"]), None
+        if self.replica_sums is None:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with self.replica_sums.posting(self.stage_index):  # each gradient's sum over the replicas, once it is final
+            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            if backward_type == "weight":  # torch adds a split backward's weight gradients itself: no hook sees them
+                self.replica_sums.post_stage(self.stage_index)
+        return result
 
     # The timeline (lightning_mp_lstm.timeline): spans of computation, tags on the point-to-point operations.
     @override
