@@ -16,7 +16,23 @@ from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from tests.helpers import cpu_engine, lm_batches, rel_error, run_ranks, tiny_model
 
-pytestmark = pytest.mark.processes
+
+def test_sums_are_posted_in_one_order_whatever_order_autograd_finishes_the_gradients(one_process_group):
+    """A group's collectives pair up in the order they are posted: two replicas whose autograd finished the same
+    gradients in different orders must still post their sums in the same order (reversed registration)."""
+    module = torch.nn.Module()
+    for name in "abc":
+        module.register_parameter(name, torch.nn.Parameter(torch.full((3,), 2.0)))
+    a, b, c = module.a, module.b, module.c
+    sums = ReplicaSums(dist.group.WORLD)
+    sums.attach({0: module})
+    for first, last in ((a, c), (c, a)):  # a chain finishes its last factor's gradient first
+        module.zero_grad(set_to_none=True)
+        with sums.step(), sums.posting(0):
+            ((((first * 2).sum() * b).sum() * last).sum()).backward()
+            assert list(sums._posted) == [id(c), id(b), id(a)]
+        assert sums.finish() == {id(a), id(b), id(c)} and sums.overlapped == 3
+        assert float(first.grad[0]) == 2 * 3 * 2 * 3 * 2 and float(b.grad[0]) == 4 * 3 * 2 * 3
 
 
 def _reentrant(function, *args, use_reentrant, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202, ARG001
@@ -68,6 +84,7 @@ def _worker(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
     return results
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(200)
 def test_two_replicas_sum_every_gradient_during_the_backward_pass_with_one_process_gradients():
     configs = [dict(data_parallel_size=2, schedule="1F1B", n_microbatches=2),
@@ -86,6 +103,7 @@ def test_two_replicas_sum_every_gradient_during_the_backward_pass_with_one_proce
         assert accumulated["overlapped"] == [0, 0] and accumulated["regrown"] == 0, accumulated
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_pipelined_replicas_sum_each_stages_gradients_during_its_last_backward():
     configs = [dict(data_parallel_size=2, pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2),

@@ -6,8 +6,10 @@ A stage's last backward of the step (its last microbatch; the wavefront's first 
 posted at once, so the sums of the last blocks travel while the earlier blocks' backward is computed (a split
 backward pass, whose weight gradients torch adds itself, posts its stage's sums after its last weight pass). The step
 waits for them when the schedule has returned (:meth:`ReplicaSums.finish`), before anything after the backward pass
-reads a gradient; whatever was not posted (a parameter two stages of this process hold, accumulated batches) is
-summed after the schedule, as before.
+reads a gradient. Sums are posted in one order per stage (reversed registration, roughly the order the backward
+pass finishes them), the same on every replica, as DDP launches its buckets in order: a group's collectives pair up
+in the order they are posted. Whatever was not posted (a parameter two stages of this process hold, accumulated
+batches) is summed after the schedule, as before.
 
 Why not DDP on each stage (torch's pipeline stages drive it): a stage's decoder may run inside the loss, outside the
 stage's forward, and this library's wavefront schedule is not torch's; DDP would also need every parameter's gradient
@@ -55,7 +57,9 @@ class ReplicaSums:
         self.group = group
         self.overlapped = 0
         self._handles: list[Any] = []
-        self._params_of: dict[int, list[nn.Parameter]] = {}
+        self._params_of: dict[int, list[nn.Parameter]] = {}  # each stage's, in the order their sums are posted
+        self._next: dict[int, int] = {}
+        self._ready: set[int] = set()
         self._on = False
         self._armed: set[int] = set()
         self._posted: dict[int, tuple[nn.Parameter, Any]] = {}
@@ -72,7 +76,7 @@ class ReplicaSums:
             for p in module.parameters():
                 if owners[id(p)] != 1 or not p.requires_grad:
                     continue
-                self._params_of.setdefault(index, []).append(p)
+                self._params_of.setdefault(index, []).insert(0, p)  # the last registered is the first finished
                 self._handles.append(p.register_hook(partial(self._before_accumulating, p)))
                 self._handles.append(p.register_post_accumulate_grad_hook(partial(self._accumulated, index)))
 
@@ -80,6 +84,7 @@ class ReplicaSums:
     def step(self) -> Iterator[None]:
         """A training step whose gradients start at zero: :meth:`posting` posts sums inside it."""
         self._on, self._posted, self._again = True, {}, {}  # nothing left from a step that raised
+        self._next, self._ready = {}, set()
         try:
             yield
         finally:
@@ -101,12 +106,23 @@ class ReplicaSums:
         """Post the sums of stage ``stage``'s gradients now (inside :meth:`posting`): for a backward pass that sets
         them without autograd's accumulation (torch's split backward adds its weight gradients itself)."""
         if stage in self._armed:
-            for p in self._params_of.get(stage, []):
-                self._post(p)
+            self._ready.update(id(p) for p in self._params_of.get(stage, []))
+            self._post_in_order(stage)
 
     def _accumulated(self, stage: int, p: nn.Parameter) -> None:
         if stage in self._armed:
-            self._post(p)
+            self._ready.add(id(p))
+            self._post_in_order(stage)
+
+    def _post_in_order(self, stage: int) -> None:
+        """Post the stage's ready gradients in one fixed order, the same on every replica whatever order autograd
+        finished them in (the collectives of a group pair up in the order they are posted, DDP's reason to launch its
+        buckets in order); a gradient not yet ready holds back those after it."""
+        order, index = self._params_of.get(stage, []), self._next.get(stage, 0)
+        while index < len(order) and id(order[index]) in self._ready:
+            self._post(order[index])
+            index += 1
+        self._next[stage] = index
 
     def _post(self, p: nn.Parameter) -> None:
         if id(p) in self._posted or p.grad is None:
