@@ -34,7 +34,7 @@ from benchmarks.overhead import Setup, batches, model_of, optimizer_of, start_ra
 from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 from lightning_mp_lstm.models.lstm_language_model import token_loss_sum  # noqa: E402
 from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients  # noqa: E402
-from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums  # noqa: E402
+from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums, sum_the_rest  # noqa: E402
 
 __all__ = ["SETUP", "VARIANTS", "main", "summarize", "train_replica"]
 
@@ -81,8 +81,7 @@ def train_replica(variant: str, steps: int, warmup: int, setup: Setup = SETUP) -
         if sums is not None:
             with sums.step(), sums.posting(0):
                 (token_loss_sum(logits, targets) / tokens).backward()
-            summed = sums.finish()
-            all_reduce_gradients([p for p in net.parameters() if id(p) not in summed], dist.group.WORLD)
+            sum_the_rest(net.parameters(), sums.finish(), sums.filled, dist.group.WORLD, torch.device("cpu"))
         else:
             (token_loss_sum(logits, targets) / tokens).backward()
         if variant == "sums":

@@ -26,11 +26,11 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.models.contract import PipelineModel
 from lightning_mp_lstm.pipeline import predictions
-from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients, clip_grad_norm_
+from lightning_mp_lstm.pipeline.gradients import clip_grad_norm_
 from lightning_mp_lstm.pipeline.groups import ProcessGroups
 from lightning_mp_lstm.pipeline.groups import shared as _shared
 from lightning_mp_lstm.pipeline.norm_exchange import NormExchange
-from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums
+from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums, sum_the_rest
 from lightning_mp_lstm.pipeline.sharding import largest_share, reshard
 from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness
 from lightning_mp_lstm.pipeline.tied import TiedWeights
@@ -151,9 +151,10 @@ class PipelineEngine:
                                        for s in (term_stages or [layout.num_stages - 1]))
         self._sends: list[Any] = []
         self._norms = NormExchange(groups.pipeline, device, _NORM_TAG)
-        #: Replicated gradients summed during the backward pass; ``_summed``: the ids of the parameters it summed.
+        #: Replicated gradients summed during the backward pass; ``_summed``: the parameters it summed, ``_filled``:
+        #: the ids of those that joined as zeros.
         self.replica_sums = ReplicaSums(groups.data_parallel) if _shared(groups.data_parallel) else None
-        self._summed: set[int] = set()
+        self._summed, self._filled = [], set()
 
     # ----- running batches ---------------------------------------------------------------------------------
     def forward_backward(self, batch: Any, accumulation: int = 1) -> StepResult:
@@ -167,14 +168,14 @@ class PipelineEngine:
         """
         for module in self.stage_modules.values():
             module.reset_finite_checks()
-        self._summed = set()
+        self._summed, self._filled = [], set()
         sums = self.replica_sums
         if sums is None or self.sharded or accumulation > 1:  # accumulated gradients are summed at the last batch
             return self._run(batch, "train", accumulation)
         sums.attach(self.stage_modules)
         with sums.step():
             result = self._run(batch, "train", accumulation)
-        self._summed = sums.finish()
+        self._summed, self._filled = sums.finish(), sums.filled
         return result
 
     def evaluate(self, batch: Any) -> StepResult:
@@ -304,9 +305,9 @@ class PipelineEngine:
     def reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
         """Sum gradients over the data-parallel replicas and over the owners of each tied weight (once per
         optimizer step, before clipping: the global norm must see the summed gradient)."""
-        if not self.sharded:  # sharded: FSDP reduced them after the schedule's last backward
-            all_reduce_gradients([p for p in parameters if id(p) not in self._summed], self.groups.data_parallel)
-        self._summed = set()
+        if not self.sharded and _shared(self.groups.data_parallel):  # sharded: FSDP reduced them already
+            sum_the_rest(parameters, self._summed, self._filled, self.groups.data_parallel, self.device)
+        self._summed, self._filled = [], set()
         self.tied.all_reduce()
 
     def expect_clip(self) -> None:

@@ -21,6 +21,11 @@ On a GPU the order is NCCL's: a posted all-reduce waits on the stream that accum
 :meth:`~torch.distributed.Work.wait` makes the current stream wait for it (the host does not block), so the optimizer
 and the clip, queued after :meth:`ReplicaSums.finish`, read the sums.
 
+A gradient this replica did not compute in the step (an adaptive softmax's cluster that none of its targets fell in)
+joins the sums as zeros, so that every replica posts the same collectives (before, the replicas posted different
+ones and gloo aborted: "Received data size doesn't match expected size"); :func:`sum_the_rest` then gives back
+``None`` to every gradient that no replica computed, as one process would have none.
+
 A gradient accumulated again after its sum was posted (a block that checkpoints with ``use_reentrant=True`` runs a
 backward call of its own per use of a parameter) is not lost: its sum is waited for before the new part is added, and
 the new parts' own sum replaces them at :meth:`ReplicaSums.finish`.
@@ -29,7 +34,7 @@ the new parts' own sum replaces them at :meth:`ReplicaSums.finish`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -38,9 +43,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_mp_lstm.pipeline.gradients import local_tensor
+from lightning_mp_lstm.pipeline.gradients import all_reduce_gradients, local_tensor
 
-__all__ = ["ReplicaSums"]
+__all__ = ["ReplicaSums", "sum_the_rest"]
 
 
 class ReplicaSums:
@@ -51,6 +56,8 @@ class ReplicaSums:
 
     Attributes:
         overlapped: how many parameters' gradients the last step summed during its backward pass.
+        filled: the ids of the parameters whose gradient this replica did not compute in the last step and that
+            joined the sums as zeros (see :func:`sum_the_rest`).
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -64,6 +71,7 @@ class ReplicaSums:
         self._armed: set[int] = set()
         self._posted: dict[int, tuple[nn.Parameter, Any]] = {}
         self._again: dict[int, list[torch.Tensor]] = {}
+        self.filled: set[int] = set()
 
     def attach(self, stage_modules: dict[int, nn.Module]) -> None:
         """Hook every parameter that exactly one of ``stage_modules`` (global stage index -> module) holds, at the
@@ -84,7 +92,7 @@ class ReplicaSums:
     def step(self) -> Iterator[None]:
         """A training step whose gradients start at zero: :meth:`posting` posts sums inside it."""
         self._on, self._posted, self._again = True, {}, {}  # nothing left from a step that raised
-        self._next, self._ready = {}, set()
+        self._next, self._ready, self.filled = {}, set(), set()
         try:
             yield
         finally:
@@ -92,7 +100,10 @@ class ReplicaSums:
 
     @contextmanager
     def posting(self, stage: int) -> Iterator[None]:
-        """Stage ``stage``'s last backward call of the step: each of its gradients is summed once accumulated."""
+        """Stage ``stage``'s last backward call of the step: each of its gradients is summed once accumulated, and the
+        rest when the call returns: those set without autograd's accumulation (torch's split backward adds its weight
+        gradients itself) and, as zeros, those this replica did not compute (so that every replica posts the same
+        sums)."""
         if not self._on:
             yield
             return
@@ -101,13 +112,12 @@ class ReplicaSums:
             yield
         finally:
             self._armed.discard(stage)
-
-    def post_stage(self, stage: int) -> None:
-        """Post the sums of stage ``stage``'s gradients now (inside :meth:`posting`): for a backward pass that sets
-        them without autograd's accumulation (torch's split backward adds its weight gradients itself)."""
-        if stage in self._armed:
-            self._ready.update(id(p) for p in self._params_of.get(stage, []))
-            self._post_in_order(stage)
+        for p in self._params_of.get(stage, []):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                self.filled.add(id(p))
+            self._ready.add(id(p))
+        self._post_in_order(stage)
 
     def _accumulated(self, stage: int, p: nn.Parameter) -> None:
         if stage in self._armed:
@@ -137,9 +147,9 @@ class ReplicaSums:
             posted[1].wait()
             self._again.setdefault(id(p), []).append(local_tensor(grad).detach().clone())
 
-    def finish(self) -> set[int]:
-        """Wait for every sum posted in this step; return the ids of the parameters whose gradients are now summed
-        over the replicas."""
+    def finish(self) -> list[nn.Parameter]:
+        """Wait for every sum posted in this step; return the parameters whose gradients are now summed over the
+        replicas, in the order they were posted."""
         for key, (p, work) in self._posted.items():
             work.wait()
             late = self._again.pop(key, None)
@@ -148,7 +158,33 @@ class ReplicaSums:
                 total = local.clone()
                 dist.all_reduce(total, group=self.group)
                 local_tensor(p.grad).add_(total.sub_(local))
-        summed = set(self._posted)
+        summed = [p for p, _ in self._posted.values()]
         self.overlapped = len(summed)
         self._posted, self._again = {}, {}
         return summed
+
+
+def sum_the_rest(parameters: Iterable[nn.Parameter], summed: Sequence[nn.Parameter], filled: set[int],
+                 group: dist.ProcessGroup, device: torch.device) -> None:
+    """Sum over ``group`` the gradients of ``parameters`` not in ``summed`` (posted during the backward pass), and
+    give every gradient that no replica computed back its ``None`` (one process would have none, and an optimizer
+    skips such a parameter).
+
+    A gradient this replica did not compute (an adaptive softmax's cluster that none of its targets fell in) joins
+    the sums as zeros, so that every replica posts the same collectives; one more all-reduce of a flag per parameter
+    finds those that no replica computed. ``filled``: the ids the backward pass filled with zeros already.
+    """
+    done = {id(p) for p in summed}
+    rest = [p for p in parameters if p.requires_grad and id(p) not in done]
+    filled = set(filled)
+    for p in rest:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+            filled.add(id(p))
+    all_reduce_gradients(rest, group)
+    every = [*summed, *rest]
+    nobody = torch.tensor([id(p) in filled for p in every], dtype=torch.uint8, device=device)
+    dist.all_reduce(nobody, op=dist.ReduceOp.MIN, group=group)
+    for p, unused in zip(every, nobody.tolist(), strict=True):
+        if unused:
+            p.grad = None

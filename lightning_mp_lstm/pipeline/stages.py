@@ -257,10 +257,7 @@ class Stage(PipelineStage):
         if self.replica_sums is None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         with self.replica_sums.posting(self.stage_index):  # each gradient's sum over the replicas, once it is final
-            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-            if backward_type == "weight":  # torch adds a split backward's weight gradients itself: no hook sees them
-                self.replica_sums.post_stage(self.stage_index)
-        return result
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     # The timeline (lightning_mp_lstm.timeline): spans of computation, tags on the point-to-point operations.
     @override
