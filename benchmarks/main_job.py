@@ -20,6 +20,11 @@ slowest step over its median is the noise floor of the stall check on this machi
 clip by the global gradient norm, 0.25, and a fused Adam step). A third goal: the main job's median tail at most 5
 points above the floor's (issue 44), over the main job's steps of the floor's shape (:func:`against_floor`).
 
+Where the job ran one process, how much of its excess over the floor is Lightning's own: :func:`three_loops` times
+the step outside its forward and backward pass three ways on the floor's model and batches, in rounds: the bare
+loop, the module's own ``training_step`` under a plain ``Trainer`` (what any Lightning user's step costs), and the
+same under ``mp_lstm``.
+
     python benchmarks/main_job.py [--first 10] [--steps 200] [--no-bare-loop] [train.py overrides ...]
 """
 
@@ -42,11 +47,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import lightning.pytorch as pl  # noqa: E402
+
 from benchmarks.overhead import Setup, bare_loop, batches, model_of, optimizer_of, start_rank  # noqa: E402
 from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 from lightning_mp_lstm.models.lstm_language_model import token_loss_sum  # noqa: E402
 
-__all__ = ["BARE_SETUP", "against_floor", "bare_floor", "main", "measure", "ran_layout", "single_loop", "summarize"]
+__all__ = ["BARE_SETUP", "LOOPS", "against_floor", "bare_floor", "lightning_loop", "main", "measure", "ran_layout",
+           "single_loop", "summarize", "three_loops"]
 
 #: The main job's model (conf/model/tiny.yaml, the synthetic data's 1000 words), batch size, schedule, most common
 #: batch length (20 tokens: the middle bucket), optimizer (Adam, lr 0.005) and clip (conf/trainer: 0.25), for the
@@ -150,6 +158,79 @@ def single_loop(steps: int, setup: Setup) -> dict[str, list[float]]:
     return {"intervals": [b - a for a, b in zip(starts, starts[1:])], "schedule": in_schedule[:-1], "norms": norms}
 
 
+class _StepClock(pl.Callback):
+    """Each training batch's start, its backward pass's seconds (Lightning's ``on_before_backward`` to
+    ``on_after_backward``), and what :func:`_clocked` timed (``schedule``)."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.backward: list[float] = []
+        self.schedule: list[float] = []
+        self._began = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._began = time.perf_counter()
+
+    def on_after_backward(self, *args: Any) -> None:
+        self.backward.append(time.perf_counter() - self._began)
+
+
+def lightning_loop(steps: int, setup: Setup, strategy: str = "plain") -> dict[str, list[float]]:
+    """The bare loop's model and batches trained by a ``Trainer`` in one process on every core, with no logger,
+    checkpoint, progress bar or other callback: what Lightning's loop adds to :func:`single_loop`'s step, and what
+    the strategy adds to Lightning's. Either way the step is the module's own ``training_step`` (forward, loss,
+    ``self.log`` of the loss), the clip by the gradient norm and the optimizer step; on the CPU, as that loop is.
+
+    Args:
+        strategy: ``"plain"``: Lightning's own strategy; the ``schedule`` seconds are the module's forward and loss
+            (``LSTMLanguageModel._loss``, clocked) and Lightning's backward pass. ``"mp_lstm"``: the strategy in one
+            process (``layout=single``, as the autopilot picks on the 2-core box); the ``schedule`` seconds are its
+            schedule's ``step``.
+
+    Returns:
+        What :func:`single_loop` returns (no norms).
+    """
+    import torch
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from torch.utils.data import DataLoader
+
+    from lightning_mp_lstm import MPLSTMStrategy
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = model_of(setup)
+    clock = _StepClock()
+    owner, name = (model, "_loss") if strategy == "plain" else (PipelineScheduleSingle, "step")
+    original = getattr(owner, name)
+    setattr(owner, name, _clocked(original, clock.schedule))
+    chosen: Any = "auto" if strategy == "plain" else MPLSTMStrategy(
+        pipeline_parallel_size=1, data_parallel_size=1, n_microbatches=1, report_after_steps=None)
+    trainer = pl.Trainer(strategy=chosen, accelerator="cpu", devices=1, max_steps=steps + 1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=setup.clip, callbacks=[clock])
+    try:
+        trainer.fit(model, train_dataloaders=DataLoader(batches(steps + 1, setup), batch_size=None))
+    finally:
+        setattr(owner, name, original)
+    in_schedule = clock.schedule if strategy != "plain" else [f + b for f, b in zip(clock.schedule, clock.backward)]
+    in_schedule = in_schedule[-(steps + 1):]  # the strategy's check of the declaration runs a step of its own first
+    return {"intervals": [b - a for a, b in zip(clock.starts, clock.starts[1:])], "schedule": in_schedule[:-1],
+            "norms": []}
+
+
+def _clocked(function: Any, into: list[float]) -> Any:
+    def clocked(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - began)
+
+    return clocked
+
+
 def _bare_worker(rank: int, world_size: int, steps: int, setup: Setup) -> dict[str, list[float]]:
     import torch.distributed as dist
 
@@ -169,6 +250,40 @@ def bare_floor(first: int, steps: int, setup: Setup = BARE_SETUP, layout: str = 
     else:
         setup = replace(setup, layout=layout)
         result = run_ranks(_bare_worker, setup.world_size, first + steps, setup, timeout=600)[0]
+    return _floor(result, first, layout, setup)
+
+
+#: The loops :func:`three_loops` compares, by name: the bare loop, plain Lightning, the strategy under Lightning.
+LOOPS = ("bare", "plain", "mp_lstm")
+
+
+def three_loops(first: int, steps: int, rounds: int = 3, setup: Setup = BARE_SETUP) -> dict[str, Any]:
+    """The step's time outside its schedule (the forward and backward pass) in one process, three ways on the same
+    model and batches: :func:`single_loop` (``bare``), :func:`lightning_loop` with Lightning's own strategy
+    (``plain``) and with ``mp_lstm`` (``mp_lstm``), ``rounds`` rounds of each, the order rotating from round to
+    round. Per loop: each round's median milliseconds and share of a step outside the schedule, and their medians;
+    then what Lightning adds to the bare loop and what the strategy adds to Lightning, in points of a step and in
+    milliseconds (medians over rounds)."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in LOOPS}
+    for round_ in range(rounds):
+        for name in LOOPS[round_ % 3:] + LOOPS[:round_ % 3]:
+            result = single_loop(first + steps, setup) if name == "bare" else lightning_loop(first + steps, setup,
+                                                                                             name)
+            runs[name].append(_floor(result, first, "single", setup))
+    out: dict[str, Any] = {}
+    for name, floors in runs.items():
+        out[name] = {"outside_ms": [1e3 * f["median_outside_s"] for f in floors],
+                     "outside_points": [100 * f["median_outside_schedule"] for f in floors],
+                     "step_ms": [1e3 * f["median_step_s"] for f in floors]}
+        out[name].update({f"median_{k}": statistics.median(v) for k, v in list(out[name].items())})
+    for upper, lower in (("plain", "bare"), ("mp_lstm", "plain")):
+        for unit in ("points", "ms"):
+            out[f"{upper}_over_{lower}_{unit}"] = (out[upper][f"median_outside_{unit}"]
+                                                   - out[lower][f"median_outside_{unit}"])
+    return out
+
+
+def _floor(result: dict[str, list[float]], first: int, layout: str, setup: Setup) -> dict[str, Any]:
     intervals, in_schedule = result["intervals"][first:], result["schedule"][first:]
     median = statistics.median(intervals)
     return {"median_step_s": median, "slowest_over_median": max(intervals) / median,
@@ -209,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["bare_loop"] = bare_floor(args.first, args.steps, layout=layout)
         summary.update(against_floor(summary, summary["bare_loop"], BARE_SETUP))
         summary["goals"]["median tail within 5 points of the bare loop's"] = summary["tail_over_floor_points"] <= 5
+        if layout == "single":  # what Lightning itself adds outside the schedule, and what the strategy adds to it
+            summary["three_loops"] = three_loops(args.first, args.steps)
     summary["command"] = " ".join(["python benchmarks/main_job.py", *(argv if argv is not None else sys.argv[1:])])
     print(json.dumps(summary, indent=1))
     if args.json is not None:

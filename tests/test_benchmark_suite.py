@@ -374,6 +374,30 @@ def test_the_main_jobs_tail_is_held_against_the_floor_at_the_floors_own_shape():
                          "mix_tail_over_floor_points": pytest.approx(18.0), "floor_shape_steps": 0}
 
 
+def test_three_loops_rotates_their_order_and_takes_each_loops_median_over_rounds(monkeypatch):
+    """Lightning's own share of the step outside its schedule and the strategy's share on top of it, from rounds
+    whose order rotates (each loop first once in three rounds)."""
+    order: list[str] = []
+    # Per loop: a 20 ms step of which (ms) outside the schedule, round by round.
+    outside = {"bare": iter([2.0, 3.0, 2.5]), "plain": iter([4.0, 6.0, 5.0]), "mp_lstm": iter([5.5, 5.0, 7.0])}
+
+    def fake(name: str) -> dict:
+        order.append(name)
+        ms = next(outside[name])
+        return {"intervals": [0.020] * 3, "schedule": [0.020 - ms / 1e3] * 3, "norms": []}
+
+    monkeypatch.setattr(main_job, "single_loop", lambda steps, setup: fake("bare"))
+    monkeypatch.setattr(main_job, "lightning_loop", lambda steps, setup, strategy: fake(strategy))
+    got = main_job.three_loops(first=0, steps=3, rounds=3)
+    assert order == ["bare", "plain", "mp_lstm", "plain", "mp_lstm", "bare", "mp_lstm", "bare", "plain"]
+    assert got["bare"]["outside_ms"] == pytest.approx([2.0, 3.0, 2.5])
+    assert got["bare"]["median_outside_ms"] == pytest.approx(2.5)
+    assert got["plain"]["median_outside_points"] == pytest.approx(25.0)  # 5 of 20 ms
+    assert got["mp_lstm"]["median_outside_ms"] == pytest.approx(5.5)
+    assert got["plain_over_bare_ms"] == pytest.approx(2.5) and got["plain_over_bare_points"] == pytest.approx(12.5)
+    assert got["mp_lstm_over_plain_ms"] == pytest.approx(0.5) and got["mp_lstm_over_plain_points"] == pytest.approx(2.5)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.processes
 def test_the_main_job_benchmark_measures_the_bare_loop_beside_it():

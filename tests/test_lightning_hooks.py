@@ -19,8 +19,13 @@ from tests.helpers import (
     VOCAB,
     FixedBatches,
     GlobalBatches,
+    Gradients,
+    TrainLosses,
     ValLosses,
     assert_same_predictions,
+    assert_split_equals_one_process,
+    parameters_of,
+    quiet_trainer,
     rel_error,
     run_ranks,
 )
@@ -286,3 +291,75 @@ def test_predict_on_dp2_pp2_of_global_batches_gives_the_global_batch_on_every_ra
     for result in results:
         assert_same_predictions(result["predict"], reference["predict"])
         assert result["predict"][0]["log_probs"].shape[0] == 8  # both replicas' 4 rows
+
+
+class DropoutOff(LSTMLanguageModel):
+    """Puts its dropout in eval mode when training starts: the rest trains, the dropout stays off (a user's own
+    choice, which Lightning keeps through its loops)."""
+
+    def on_train_start(self) -> None:
+        self.dropout.eval()
+
+
+class DropoutModes(pl.Callback):
+    """The dropout's training flag after every training batch, and after each validation."""
+
+    def __init__(self) -> None:
+        self.train: list[bool] = []
+        self.after_validation: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.train.append(pl_module.dropout.training)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.after_validation.append(pl_module.dropout.training)
+
+
+def _fit_dropout_off(strategy, devices: int) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = DropoutOff(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2, dropout=0.5)
+    losses, grads, modes = TrainLosses(), Gradients(), DropoutModes()
+    trainer = quiet_trainer(strategy, devices, [losses, grads, modes], max_steps=4, gradient_clip_val=0.5,
+                            limit_val_batches=2, val_check_interval=2)
+    trainer.fit(model, datamodule=FixedBatches())
+    return {"params": parameters_of(model), "losses": losses.values, "grads": grads.steps, "modes": modes}
+
+
+@pytest.mark.timeout(200)
+def test_a_submodule_the_user_put_in_eval_mode_stays_so_in_the_pipeline_as_in_one_process():
+    reference = _fit_dropout_off("auto", 1)  # the module's own training_step on one process
+    assert reference["modes"].train == [False] * 4 and reference["modes"].after_validation == [False] * 2
+    results = assert_split_equals_one_process(
+        _fit_dropout_off, 2, dict(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2), reference, 4,
+        timeout=150)
+    for r in results:  # before, every stage put every module back in training mode at each batch
+        assert r["modes"].train == [False] * 4 and r["modes"].after_validation == [False] * 2
+
+
+class EmbeddingFrozen(LSTMLanguageModel):
+    """Freezes its embedding when training starts (pretrained embeddings kept as they are): no gradient reaches it."""
+
+    def on_train_start(self) -> None:
+        if self.embedding is not None:  # a pipeline stage without it holds None
+            self.embedding.weight.requires_grad_(False)
+
+
+def _fit_embedding_frozen(strategy, devices: int) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = EmbeddingFrozen(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2, optimizer="adam", lr=0.01)
+    losses, grads = TrainLosses(), Gradients()
+    trainer = quiet_trainer(strategy, devices, [losses, grads], max_steps=4, gradient_clip_val=0.5)
+    trainer.fit(model, datamodule=FixedBatches())
+    return {"params": parameters_of(model), "losses": losses.values, "grads": grads.steps}
+
+
+@pytest.mark.timeout(200)
+def test_a_parameter_the_user_froze_gets_no_gradient_in_the_pipeline_as_in_one_process():
+    reference = _fit_embedding_frozen("auto", 1)  # the module's own training_step on one process
+    assert all("embedding.weight" not in step for step in reference["grads"]) and len(reference["grads"]) == 4
+    # Before, the numerical check of the declaration gave the frozen weight a gradient on its side and stopped the run.
+    assert_split_equals_one_process(
+        _fit_embedding_frozen, 2, dict(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2), reference, 4,
+        timeout=150)

@@ -387,7 +387,7 @@ class PipelineEngine:
 
     def _set_mode(self, train: bool) -> None:
         for module in self.stage_modules.values():
-            module.train(train)
+            module.set_mode(train)
 
     def _loss_context(self) -> Any:
         make = getattr(self.model, "loss_context", None)

@@ -130,6 +130,8 @@ class StageModule(nn.Module):
         #: The first time step of the chunk the next forward runs (wavefront pipelining; else 0).
         self.time_start = 0
         self._microbatch_context = microbatch_context or (lambda index: nullcontext())
+        #: The modules :meth:`set_mode` sets (``None``: this stage and every module in it; :meth:`leave_modes_to`).
+        self._mode_modules: list[nn.Module] | None = None
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +180,22 @@ class StageModule(nn.Module):
             for block in blocks:
                 block.time_chunk = None
         return out, [chunk.final for chunk in chunks]
+
+    def leave_modes_to(self, owner: nn.Module) -> None:
+        """Leave the training flags of ``owner``'s modules (the user's ``LightningModule``) to whoever sets them, as
+        on one process: Lightning's loops (``eval()`` for evaluation, then each module's own flag restored) and the
+        user, whose module put in eval mode stays so while the rest trains. :meth:`set_mode` then sets only this
+        stage's modules that ``owner`` does not hold (this wrapper, a model's adapter blocks)."""
+        held = {id(module) for module in owner.modules()}
+        self._mode_modules = [module for module in self.modules() if id(module) not in held]
+
+    def set_mode(self, train: bool) -> None:
+        """Training or evaluation mode for the next batch (see :meth:`leave_modes_to`)."""
+        if self._mode_modules is None:
+            self.train(train)
+            return
+        for module in self._mode_modules:
+            module.training = train
 
     def reset_finite_checks(self) -> None:
         """Forget the finite-output notes (before each training batch)."""

@@ -309,6 +309,8 @@ def assemble_engine(
         shard_stages(engine.stage_modules.values(), mesh["data_parallel"], module)
         engine.sharded = True
     engine.tied = TiedWeights.build(module, aliases, layout)
+    for stage in engine.stage_modules.values():  # the user's modules keep the modes Lightning and the user give them
+        stage.leave_modes_to(module)
     return engine
 
 

@@ -136,10 +136,12 @@ class Verifier:
         return handles
 
     def _reference_steps(self, module: nn.Module, batch: Any, trainer: Any, device: torch.device,
-                         convert: Callable[[nn.Module], Any], values: list[dict[str, torch.Tensor]]
-                         ) -> dict[str, Any]:
+                         convert: Callable[[nn.Module], Any],
+                         values: list[tuple[dict[str, torch.Tensor], list[str], list[str]]]) -> dict[str, Any]:
         """The module's own ``training_step``, :data:`STEPS` times, on ``module`` made whole (restored after) with
-        every process's current parameter ``values``."""
+        every process's current parameter ``values`` and the user's choices the pipeline keeps too: in training mode
+        but the modules a process holds in eval mode, every parameter requiring its gradient but those a process
+        holds frozen."""
         assert self.whole is not None
         rows, length = self._shape(batch)
         logged: list[dict[str, float]] = []
@@ -151,13 +153,17 @@ class Verifier:
 
         losses, grads, tapes, extra = [], [], [], set()
         with self.whole.attached(module, device, convert) as whole, _forked(device):
-            self.whole.take_values(whole, values)
+            self.whole.take_values(whole, [parameters for parameters, _, _ in values])
             whole.train()
+            parts = dict(whole.named_modules())
+            for name in {name for _, in_eval, _ in values for name in in_eval} & set(parts):
+                parts[name].training = False
             whole._trainer = trainer  # noqa: SLF001  (read by steps that look at the trainer; it logs nothing here)
             whole.log = log  # type: ignore[method-assign]
             whole.log_dict = lambda values, *a, **k: [log(n, v, *a, **k) for n, v in values.items()]  # type: ignore
-            for parameter in whole.parameters():
-                parameter.requires_grad_(True)
+            frozen = {name for _, _, names in values for name in names}
+            for name, parameter in whole.named_parameters(remove_duplicate=False):
+                parameter.requires_grad_(name not in frozen)
             hooks = self._region_hooks(whole)
             try:
                 for step in range(STEPS):
@@ -403,9 +409,12 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
 
 
-def _gather_on_rank_zero(module: nn.Module) -> list[dict[str, torch.Tensor]]:
-    """Every process's parameters by name, on global rank 0 (empty elsewhere); a tensor-parallel shard whole."""
-    values = {name: _whole(p) for name, p in module.named_parameters()}
+def _gather_on_rank_zero(module: nn.Module) -> list[tuple[dict[str, torch.Tensor], list[str], list[str]]]:
+    """Every process's parameters by name (a tensor-parallel shard whole), the names of its modules in eval mode and
+    of its parameters that do not require gradients (the user's choices), on global rank 0 (empty elsewhere)."""
+    values = ({name: _whole(p) for name, p in module.named_parameters()},
+              [name for name, part in module.named_modules() if not part.training],
+              [name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad])
     if not dist.is_initialized():
         return [values]
     every: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
