@@ -12,9 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 
-from lightning_mp_lstm import LSTMBlocks, MPLSTMStrategy
+from lightning_mp_lstm import LSTMBlocks, LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.strategy.verify import VerificationError
 from tests.helpers import TimeFirstStream, quiet_trainer, run_command, run_ranks, tiny_model
 
@@ -121,6 +122,50 @@ def test_the_module_logs_the_same_train_loss_as_on_one_process():
     split = _fit(Wrapped(), strategy, steps=1).callback_metrics["train_loss"]
     strategy.shutdown()
     assert float(split) == pytest.approx(float(alone), rel=1e-5)
+
+
+class LogsAMetricObject(Wrapped):
+    """Logs a torchmetrics metric object beside its loss, as Lightning documents it (``self.log(name, metric)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean_loss = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss(loss.detach())
+        self.log("train_mean_loss", self.mean_loss)
+        return loss
+
+
+class OwnLanguageModel(LSTMLanguageModel):
+    """The library's model as a user's subclass: its declaration is checked (the library's own class is not)."""
+
+
+@pytest.mark.processes
+def test_a_logged_metric_object_and_the_speed_at_a_logging_step_leave_the_check_running():
+    """The check's own log took every value for a number: a metric object (the module's own, or the speed's mean the
+    language model logs at a logging step, here every step) stopped the run with a TypeError before its first step."""
+    torch.manual_seed(0)
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, **QUIET)
+    _fit(LogsAMetricObject(), strategy)
+    strategy.shutdown()
+    table = strategy.verification.table()
+    assert strategy.verification.ok and "step 1 metric train_loss" in table, table
+    # On step Lightning logs a metric's last forward: here the step's objective, which the pipeline has too.
+    assert "step 1 metric train_mean_loss (the pipeline's loss)" in table, table
+    torch.manual_seed(0)
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, **QUIET)
+    trainer = quiet_trainer(strategy, 1, max_steps=2, limit_val_batches=0, log_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(OwnLanguageModel(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2),
+                    datamodule=TimeFirstStream(VOCAB, steps=2, time_first=False))
+    strategy.shutdown()
+    table = strategy.verification.table()
+    assert strategy.verification.ok and "step 1 metric train/loss" in table, table
+    assert "tokens_per_s" not in table  # the strategy logs the speed itself: no note that it would not
+    assert float(trainer.callback_metrics["train/tokens_per_s_step"]) > 0
 
 
 @pytest.mark.processes

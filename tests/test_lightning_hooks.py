@@ -363,3 +363,45 @@ def test_a_parameter_the_user_froze_gets_no_gradient_in_the_pipeline_as_in_one_p
     assert_split_equals_one_process(
         _fit_embedding_frozen, 2, dict(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2), reference, 4,
         timeout=150)
+
+
+class DropoutAtPrediction(LSTMLanguageModel):
+    """Monte-Carlo dropout: turns its dropout on for prediction (Lightning's loop puts the module in eval mode first),
+    so two passes over the same batches differ."""
+
+    def on_predict_start(self) -> None:
+        self.dropout.train()
+
+
+class PredictModes(pl.Callback):
+    def __init__(self) -> None:
+        self.modes: list[bool] = []
+
+    def on_predict_batch_end(self, trainer, pl_module, *args) -> None:
+        self.modes.append(pl_module.dropout.training)
+
+
+def _predict_twice(strategy, devices: int) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model, modes = DropoutAtPrediction(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2, dropout=0.5), PredictModes()
+    trainer = quiet_trainer(strategy, devices, [modes], max_steps=1)
+    trainer.fit(model, datamodule=FixedBatches())
+    first, second = (trainer.predict(model, datamodule=FixedBatches()) for _ in range(2))
+    return {"modes": modes.modes, "batches": len(first),
+            "differ": any(not torch.equal(a["log_probs"], b["log_probs"]) for a, b in zip(first, second))}
+
+
+def _predict_twice_on_pp2(rank: int, world_size: int) -> dict:
+    strategy = MPLSTMStrategy(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2, report_after_steps=None,
+                              timeout=60)
+    return _predict_twice(strategy, world_size)
+
+
+@pytest.mark.timeout(200)
+def test_a_dropout_the_user_turns_on_for_prediction_stays_on_in_the_pipeline_as_in_one_process():
+    reference = _predict_twice("auto", 1)
+    assert reference["batches"] > 0 and reference["modes"] == [True] * 2 * reference["batches"]
+    assert reference["differ"]
+    for result in run_ranks(_predict_twice_on_pp2, 2, timeout=150):  # before, prediction put every block in eval mode
+        assert result["modes"] == reference["modes"] and result["differ"]

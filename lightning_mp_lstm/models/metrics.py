@@ -24,7 +24,11 @@ from typing_extensions import override
 
 from lightning_mp_lstm.models.objective import DECLARED_LOSS
 
-__all__ = ["LanguageModelMetrics", "TokenMean", "perplexity", "train_quantities"]
+__all__ = ["SPEED_METRICS", "LanguageModelMetrics", "TokenMean", "perplexity", "train_quantities"]
+
+#: The training speed's metric names (``{metric}`` of :class:`LanguageModelMetrics`' names): the last steps' and the
+#: epoch's mean, in target tokens per second.
+SPEED_METRICS = ("tokens_per_s_step", "tokens_per_s_epoch")
 
 
 def perplexity(loss: float) -> float:
@@ -196,10 +200,9 @@ class LanguageModelMetrics:
                              lambda: MeanMetric(sync_on_compute=False, nan_strategy="ignore"))
         speed.update(torch.stack(self._speeds))
         self._speeds = []
-        module.log(self.name.format(split="train", metric="tokens_per_s_step"), self._tokens.float() / self._seconds,
-                   prog_bar=True, batch_size=1)
-        module.log(self.name.format(split="train", metric="tokens_per_s_epoch"), speed, on_step=False, on_epoch=True,
-                   metric_attribute="_lm_metrics_train_tokens_per_s")
+        steps, epoch = (self.name.format(split="train", metric=metric) for metric in SPEED_METRICS)
+        module.log(steps, self._tokens.float() / self._seconds, prog_bar=True, batch_size=1)
+        module.log(epoch, speed, on_step=False, on_epoch=True, metric_attribute="_lm_metrics_train_tokens_per_s")
         self._tokens, self._seconds = None, 0.0
 
 

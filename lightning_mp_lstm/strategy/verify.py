@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torchmetrics import Metric
 
 from lightning_mp_lstm.base import faults
 from lightning_mp_lstm.models.batch_layout import rows_first
-from lightning_mp_lstm.models.metrics import train_quantities
+from lightning_mp_lstm.models.metrics import SPEED_METRICS, train_quantities
 from lightning_mp_lstm.strategy.precision import exact_numerics
 from lightning_mp_lstm.strategy.random_tape import RandomTape
 from lightning_mp_lstm.strategy.whole_module import WholeModule
@@ -148,7 +149,9 @@ class Verifier:
         flags: dict[str, dict[str, bool]] = {}
 
         def log(name: str, value: Any, *_: Any, **options: Any) -> None:
-            logged[-1][name] = _value(value)
+            number = _value(value)
+            if number is not None:
+                logged[-1][name] = number
             flags[name] = {k: bool(options[k]) for k in ("on_step", "on_epoch") if options.get(k) is not None}
 
         losses, grads, tapes, extra = [], [], [], set()
@@ -344,7 +347,8 @@ class Verifier:
         """Each metric the module's step logged against what the pipeline logs under its name, or else against
         another quantity the pipeline has (then logged under the module's name)."""
         own = {self.log_name.format(split="train", metric=q): q for q in quantities[0]}
-        for name in sorted({n for step in logged for n in step}):
+        speed = {self.log_name.format(split="train", metric=m) for m in SPEED_METRICS}  # the strategy logs its own
+        for name in sorted({n for step in logged for n in step} - speed):
             def agrees(quantity: str) -> list[tuple[float, float, float]] | None:
                 found = []
                 for step in range(STEPS):
@@ -430,5 +434,11 @@ def _forked(device: torch.device) -> Iterator[None]:
         yield
 
 
-def _value(value: Any) -> float:
+def _value(value: Any) -> float | None:
+    """A logged value as a number. A torchmetrics metric is what Lightning logs on step for it, its last forward's
+    value (``None``: it has none, e.g. a metric only updated, for its epoch's value)."""
+    if isinstance(value, Metric):
+        value = value._forward_cache  # noqa: SLF001  (Lightning's ``_ResultMetric`` reads the same)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            return None
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
