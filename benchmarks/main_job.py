@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 import lightning.pytorch as pl  # noqa: E402
 
 from benchmarks.overhead import Setup, bare_loop, batches, model_of, optimizer_of, start_rank  # noqa: E402
+from benchmarks.step_parts import timed  # noqa: E402
 from lightning_mp_lstm.base.testing import run_ranks  # noqa: E402
 from lightning_mp_lstm.models.lstm_language_model import token_loss_sum  # noqa: E402
 
@@ -160,7 +161,7 @@ def single_loop(steps: int, setup: Setup) -> dict[str, list[float]]:
 
 class _StepClock(pl.Callback):
     """Each training batch's start, its backward pass's seconds (Lightning's ``on_before_backward`` to
-    ``on_after_backward``), and what :func:`_clocked` timed (``schedule``)."""
+    ``on_after_backward``), and what :func:`benchmarks.step_parts.timed` timed (``schedule``)."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
@@ -204,7 +205,7 @@ def lightning_loop(steps: int, setup: Setup, strategy: str = "plain") -> dict[st
     clock = _StepClock()
     owner, name = (model, "_loss") if strategy == "plain" else (PipelineScheduleSingle, "step")
     original = getattr(owner, name)
-    setattr(owner, name, _clocked(original, clock.schedule))
+    setattr(owner, name, timed(original, clock.schedule))
     chosen: Any = "auto" if strategy == "plain" else MPLSTMStrategy(
         pipeline_parallel_size=1, data_parallel_size=1, n_microbatches=1, report_after_steps=None)
     trainer = pl.Trainer(strategy=chosen, accelerator="cpu", devices=1, max_steps=steps + 1, logger=False,
@@ -218,17 +219,6 @@ def lightning_loop(steps: int, setup: Setup, strategy: str = "plain") -> dict[st
     in_schedule = in_schedule[-(steps + 1):]  # the strategy's check of the declaration runs a step of its own first
     return {"intervals": [b - a for a, b in zip(clock.starts, clock.starts[1:])], "schedule": in_schedule[:-1],
             "norms": []}
-
-
-def _clocked(function: Any, into: list[float]) -> Any:
-    def clocked(*args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            into.append(time.perf_counter() - began)
-
-    return clocked
 
 
 def _bare_worker(rank: int, world_size: int, steps: int, setup: Setup) -> dict[str, list[float]]:

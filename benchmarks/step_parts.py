@@ -25,7 +25,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["PARTS", "clocked", "main", "summarize"]
+__all__ = ["PARTS", "clocked", "main", "summarize", "timed"]
 
 #: label -> (module, attribute path) of each clocked part, in the order a step runs them.
 PARTS: dict[str, tuple[str, str]] = {
@@ -53,19 +53,21 @@ def clocked(parts: dict[str, tuple[str, str]] = PARTS) -> dict[str, list[float]]
         *outer, name = path.split(".")
         for attribute in outer:
             owner = getattr(owner, attribute)
-        setattr(owner, name, _timed(getattr(owner, name), seconds[label]))
+        setattr(owner, name, timed(getattr(owner, name), seconds[label]))
     return seconds
 
 
-def _timed(function: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
+def timed(function: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    """``function``, appending the seconds of each call to ``into``."""
+
+    def timed_call(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
             into.append(time.perf_counter() - started)
 
-    return timed
+    return timed_call
 
 
 def summarize(seconds: dict[str, list[float]], steps: int, first: int) -> list[dict[str, Any]]:
