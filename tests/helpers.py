@@ -320,14 +320,20 @@ def assert_same_training(per_rank: list[Mapping[str, Any]], reference: Mapping[s
                          tol: float = 1e-5) -> None:
     """Every rank logged the reference's loss curve (``"losses"``: ``(global_step, loss)`` pairs) and had the
     reference's gradient of every parameter it holds before every optimizer step (``"grads"``, see
-    :class:`Gradients`), within ``tol`` relative."""
+    :class:`Gradients`), within ``tol`` relative. Where the rank's results name its parameters (``"params"``), it
+    has a gradient of each the reference has one of, and none of the others (a parameter the user froze); else every
+    step gave it some gradient."""
     for rank, r in enumerate(per_rank):
         assert [s for s, _ in r["losses"]] == [s for s, _ in reference["losses"]] and len(r["losses"]) == steps
         for (_, loss), (_, expected) in zip(r["losses"], reference["losses"]):
             assert loss == pytest.approx(expected, rel=tol), rank
         assert len(r["grads"]) == len(reference["grads"]) == steps
         for step, (got, expected) in enumerate(zip(r["grads"], reference["grads"])):
-            assert got, (rank, step)
+            if "params" in r:
+                held = set(r["params"])
+                assert {n for n in got if n in held} == {n for n in expected if n in held}, (rank, step)
+            else:
+                assert got, (rank, step)
             for name, grad in got.items():
                 error = rel_error(grad, expected[name])
                 assert error < tol, f"rank {rank} step {step} {name}: relative error {error:.2e}"

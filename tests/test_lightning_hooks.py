@@ -365,6 +365,42 @@ def test_a_parameter_the_user_froze_gets_no_gradient_in_the_pipeline_as_in_one_p
         timeout=150)
 
 
+class HeadFirst(LSTMLanguageModel):
+    """Fine-tunes its head first: every block but the decoder frozen for two steps, then all of them for two, then the
+    head alone again (whole pipeline stages without a trainable parameter, then with, then without)."""
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        step = self.trainer.global_step
+        if step in (0, 2, 4):
+            for name, parameter in self.named_parameters():
+                parameter.requires_grad_(step == 2 or name.startswith("decoder"))
+
+
+def _fit_head_first(strategy, devices: int) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = HeadFirst(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2, lr=0.5)
+    losses, grads = TrainLosses(), Gradients()
+    trainer = quiet_trainer(strategy, devices, [losses, grads], max_steps=6, gradient_clip_val=0.5)
+    trainer.fit(model, datamodule=FixedBatches())
+    return {"params": parameters_of(model), "losses": losses.values, "grads": grads.steps}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", [dict(schedule="1F1B", n_microbatches=2),
+                                    dict(schedule="Wavefront", n_microbatches=2, time_chunks=2)],
+                         ids=["1F1B", "wavefront"])
+def test_blocks_the_user_unfreezes_and_freezes_while_training_train_as_in_one_process(layout):
+    reference = _fit_head_first("auto", 1)  # the module's own training_step on one process
+    trained = [sorted({name.split(".")[0] for name in step}) for step in reference["grads"]]
+    assert trained == [["decoder"]] * 2 + [["decoder", "embedding", "lstm"]] * 2 + [["decoder"]] * 2
+    # Before, torch's stages kept from the first batch that stage 0's output needs no gradient: after the unfreezing,
+    # stage 0 waited for one that never came ("grad can be implicitly created only for scalar outputs"). The
+    # wavefront, this library's loop, decides at every batch.
+    assert_split_equals_one_process(_fit_head_first, 2, dict(pipeline_parallel_size=2, **layout), reference, 6,
+                                    timeout=150)
+
+
 class DropoutAtPrediction(LSTMLanguageModel):
     """Monte-Carlo dropout: turns its dropout on for prediction while ``monte_carlo`` (Lightning's loop puts the
     module in eval mode first)."""

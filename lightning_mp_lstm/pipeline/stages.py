@@ -122,6 +122,8 @@ class StageModule(nn.Module):
         self.randomness = randomness
         # The model's last block feeds the loss, which is checked itself: its (large) output is not.
         self._watched = [name != last_block for name in self.block_names]
+        #: Whether this stage's output goes to another stage (not to the loss).
+        self.sends_output = last_block is not None and last_block not in self.block_names
         self._finite: list[torch.Tensor | None] = [None] * len(self.block_names)  # each block's outputs, summed
         #: Set while torch's pipelining infers shapes: it runs the stage on uninitialized tensors.
         self.inferring_shapes = False
@@ -151,6 +153,11 @@ class StageModule(nn.Module):
                     # NaN and infinity survive sums: one pass per output, one scalar per block, read only on failure.
                     total = x.detach().sum()
                     self._finite[i] = total if self._finite[i] is None else self._finite[i] + total
+        if self.sends_output and torch.is_grad_enabled() and x.is_floating_point() and not x.requires_grad:
+            # A stage whose parameters are all frozen still sends an output that asks for a gradient: torch's stages
+            # fix from their first batch whether the next stage sends one back, so a stage the user unfreezes later
+            # would get none (a leaf here takes the unused gradient).
+            x = x.detach().requires_grad_(True)
         return x.contiguous()
 
     @property

@@ -210,7 +210,7 @@ class WavefrontSchedule:
             later = saved.pop((s, u + 1))
             for ended, started in zip(unit.final, later.initial or []):
                 for tensor, leaf in zip(ended, started):
-                    if leaf.grad is not None:
+                    if leaf.grad is not None and tensor.requires_grad:  # not a stage the user froze whole
                         tensors.append(tensor)
                         grads.append(leaf.grad)
         reduce_after_this_backward(self.stages[s], last=u == 0)  # units run backward last to first
