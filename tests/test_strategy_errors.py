@@ -222,3 +222,41 @@ def test_optimizer_groups_from_a_block_another_process_holds_get_a_message_that_
             "processes hold are None. Build parameter groups by parameter name")
     assert second.startswith(hint)
     assert first.startswith("mp_lstm: rank 0 stopped because it lost a peer: rank 1") and hint in first
+
+
+def _second_trainer_worker(rank: int, world_size: int, pipeline_parallel_size: int) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = LSTMLanguageModel(VOCAB, embedding_dim=6, hidden_size=8, num_layers=2)
+
+    def strategy():
+        return MPLSTMStrategy(pipeline_parallel_size=pipeline_parallel_size,
+                              data_parallel_size=world_size // pipeline_parallel_size, n_microbatches=2, timeout=30,
+                              report_after_steps=None)
+
+    first = _trainer(strategy())
+    first.fit(model, datamodule=FixedBatches())
+    try:
+        _trainer(strategy()).fit(model, datamodule=FixedBatches())
+        second = "no error"
+    except ValueError as err:
+        second = str(err)
+    first.fit_loop.epoch_loop.max_steps = 2  # the Trainer that split the module trains on
+    first.fit(model, datamodule=FixedBatches())
+    return {"second": second, "steps": first.global_step}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.processes
+def test_a_module_a_pipeline_split_is_refused_by_a_new_trainer_on_every_rank_and_trains_on_with_its_own():
+    """Before, the new Trainer's strategy looked for the blocks the first had pruned: "LSTMLanguageModel has no
+    submodule 'embedding' (declared as an nn.Embedding)" on rank 1 (and 'decoder' on rank 0)."""
+    results = run_ranks(_second_trainer_worker, 2, 2, timeout=130)
+    for result in results:
+        assert result["second"].startswith(
+            "this LSTMLanguageModel was split by an earlier MPLSTMStrategy (data x pipeline x tensor = 1 x 2 x 1, "
+            "1F1B): this process holds only its own stages' blocks now, so another strategy (a new Trainer) cannot "
+            "run it")
+        assert result["steps"] == 2
+    # Data parallel alone keeps the whole module on every process: a new Trainer runs it.
+    assert [r["second"] for r in run_ranks(_second_trainer_worker, 2, 1, timeout=130)] == ["no error"] * 2

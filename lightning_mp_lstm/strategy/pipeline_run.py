@@ -10,6 +10,7 @@ schedule. It knows the Trainer only through the module and the arguments the str
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -45,6 +46,9 @@ from lightning_mp_lstm.strategy.pipeline_setup import (
 from lightning_mp_lstm.strategy.precision import PipelinePrecision
 
 __all__ = ["PipelineRun"]
+
+#: The modules a run split (pruned to its process's blocks), with that run's layout: another strategy cannot run them.
+_SPLIT: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 class PipelineRun:
@@ -121,6 +125,13 @@ class PipelineRun:
         """The pipeline view of ``module``: the engine's, once it split this module (it is pruned then)."""
         if self._engine is not None and self.module is module:
             return self._engine.model
+        if module in _SPLIT:
+            raise ValueError(
+                f"this {type(module).__name__} was split by an earlier MPLSTMStrategy ({_SPLIT[module]}): this process "
+                "holds only its own stages' blocks now, so another strategy (a new Trainer) cannot run it. Call fit, "
+                "validate, test or predict on the Trainer that split it (to train on: its "
+                "fit_loop.epoch_loop.max_steps raised, then fit), or load a checkpoint of it into a newly built module "
+                "for the new Trainer")
         return pipeline_model(module)
 
     def processes_for(self, module: Any) -> int | None:
@@ -164,7 +175,7 @@ class PipelineRun:
             fitting = trainer.state.fn == TrainerFn.FITTING
             if fitting:
                 summary.install(trainer, module)  # the whole model's summary, before the engine prunes it
-            blocks = pipeline_model(module)
+            blocks = self.blocks(module)
             self.rank = rank
             self.metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"),
                                                 getattr(blocks, "reduction", "token_mean"))
@@ -180,6 +191,10 @@ class PipelineRun:
             self._engine = assemble_engine(module, blocks, self._plan, mesh, rank, device,
                                            dict(self.model_names.aliases), shard=self.process.shard_replicas)
             self.module = module
+            layout = self.layout
+            if layout.processes_per_replica > 1 or self.process.shard_replicas:  # pruned, or sharded over replicas
+                _SPLIT[module] = (f"data x pipeline x tensor = {layout.data_parallel_size} x "
+                                  f"{layout.pipeline_parallel_size} x {layout.tensor_parallel_size}, {layout.schedule}")
         # A data module that gives each replica its own share of every batch says so; other batches are global.
         self._engine.global_batches = not getattr(trainer.datamodule, "shards_data_parallel", False)
         return self._engine
