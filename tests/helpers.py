@@ -235,7 +235,9 @@ class TrainLosses(pl.Callback):
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A detached copy of ``tensor``, gathered whole when it is a sharded ``DTensor`` (a collective over its mesh)."""
     tensor = tensor.detach()
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+    # A replicated DTensor's full_tensor() is its local tensor itself, not a copy: a later in-place change (a hook
+    # that scales the gradients after this was recorded) would reach it.
+    return tensor.full_tensor().clone() if isinstance(tensor, DTensor) else tensor.clone()
 
 
 class Gradients(pl.Callback):

@@ -117,6 +117,27 @@ def test_tensor_parallel_layouts_match_one_process(layout, reference, tmp_path):
     assert state["decoder.weight"]["exp_avg"].shape == (TP_VOCAB, 8)
 
 
+def _fit_clipped_by_value(strategy: Any, devices: int, clip: float | None = 0.002) -> dict:
+    warnings.filterwarnings("ignore")
+    model, losses, grads = _model(), TrainLosses(), FullGradients()
+    trainer = quiet_trainer(strategy, devices, [losses, grads], max_steps=STEPS, gradient_clip_val=clip,
+                            gradient_clip_algorithm="value")
+    trainer.fit(model, datamodule=FixedBatches())
+    return {"params": {n: _full(p).detach().clone() for n, p in model.named_parameters()}, "losses": losses.values,
+            "grads": grads.steps}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.processes
+def test_gradients_clipped_by_value_on_tensor_parallel_shards_train_as_in_one_process():
+    """Before, torch's clip_grad_value_ took the vocabulary shards (DTensor) and the LSTMs' gradients in one foreach
+    kernel and the step failed: "aten._foreach_clamp_min_.Scalar got mixed torch.Tensor and DTensor"."""
+    reference = _fit_clipped_by_value("auto", 1)
+    unclipped = _fit_clipped_by_value("auto", 1, clip=None)
+    assert rel_error(reference["params"]["decoder.weight"], unclipped["params"]["decoder.weight"]) > 0.01  # clipped
+    assert_split_equals_one_process(_fit_clipped_by_value, 2, LAYOUTS["tp2"][1], reference, STEPS, timeout=150)
+
+
 def test_vocabulary_not_divisible_by_tensor_parallel_size_says_so():
     model = tiny_model(vocab=VOCAB)  # 37 words cannot be split in two
     strategy = MPLSTMStrategy(tensor_parallel_size=2, pipeline_parallel_size=1, report_after_steps=None)

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -187,6 +188,17 @@ class PipelinePrecision(Precision):
             return super().optimizer_step(optimizer, model, closure_then_reduce, **kwargs)
         finally:
             self.engine.cancel_clip()  # nothing to do once the clip took the norms it expected
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip every gradient to ``[-clip_val, clip_val]``: tensor-parallel shards (``DTensor``) apart from the
+        other gradients, which torch's foreach kernels refuse to take together (torch 2.13: "got mixed torch.Tensor
+        and DTensor"); an element's clip does not depend on the others."""
+        params = [p for p in self.main_params(optimizer) if p.grad is not None]
+        for sharded in (True, False):
+            group = [p for p in params if isinstance(p.grad, DTensor) == sharded]
+            if group:
+                torch.nn.utils.clip_grad_value_(group, clip_val)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
