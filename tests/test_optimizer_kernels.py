@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from lightning_mp_lstm import LSTMLanguageModel
 from lightning_mp_lstm.models.optimizer_kernels import kernel_options, make_optimizer
-from tests.helpers import tiny_model
+from tests.helpers import FixedBatches, quiet_trainer, tiny_model
 
 
 def _params(*shapes, device="cpu"):
@@ -52,3 +53,22 @@ def test_the_models_named_optimizers_are_fused_and_step_as_torchs_default_loop(o
         loop.step()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+class _ClipsItself(LSTMLanguageModel):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.parametrize("clip", ["trainer", "own hook", None])
+def test_one_process_under_mixed_precision_that_clips_gets_an_optimizer_lightning_can_clip(clip):
+    """Lightning's mixed-precision plugin refuses to clip a fused optimizer's gradients; before, LSTMLanguageModel
+    chose the fused kernel anyway and a one-process bf16-mixed run with clipping failed at its first step."""
+    torch.manual_seed(0)
+    model = _ClipsItself(37, embedding_dim=6, hidden_size=8, num_layers=2) if clip == "own hook" else tiny_model()
+    trainer = quiet_trainer("auto", 1, max_steps=2, precision="bf16-mixed",
+                            gradient_clip_val=0.5 if clip == "trainer" else None)
+    trainer.fit(model, datamodule=FixedBatches())
+    assert trainer.global_step == 2
+    defaults = trainer.optimizers[0].defaults
+    assert defaults["fused"] is (True if clip is None else None)  # the fused kernel where nothing clips

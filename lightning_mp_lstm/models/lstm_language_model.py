@@ -15,6 +15,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
@@ -292,17 +294,27 @@ class LSTMLanguageModel(pl.LightningModule):
     def on_predict_epoch_start(self) -> None:
         self._state.pop("eval", None)
 
+    def _fused_allowed(self) -> bool:
+        """Whether the optimizer may take torch's fused kernel: not where Lightning's mixed-precision plugin will clip
+        its gradients (one process under ``16-mixed``/``bf16-mixed`` with clipping), which it refuses for a fused
+        optimizer ("does not allow for gradient clipping because it performs unscaling of gradients internally")."""
+        trainer = self._trainer
+        if trainer is None or not isinstance(trainer.precision_plugin, MixedPrecision):
+            return True
+        return not (trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", self, pl.LightningModule))
+
     @override
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
+        fused = self._fused_allowed()
         if self.optimizer_factory is not None:
-            opt = make_optimizer(self.optimizer_factory, params)
+            opt = make_optimizer(self.optimizer_factory, params, fused)
         else:
             kinds = {"sgd": (torch.optim.SGD, {"momentum": hp.momentum}), "adam": (torch.optim.Adam, {}),
                      "adamw": (torch.optim.AdamW, {})}
             kind, extra = kinds[hp.optimizer.lower()]
-            opt = kind(params, lr=hp.lr, weight_decay=hp.weight_decay, **kernel_options(params), **extra)
+            opt = kind(params, lr=hp.lr, weight_decay=hp.weight_decay, **kernel_options(params, fused), **extra)
         if self.scheduler_factory is not None:
             return {"optimizer": opt, "lr_scheduler": self.scheduler_factory(opt)}
         if hp.lr_decay == 1.0:

@@ -22,27 +22,28 @@ __all__ = ["kernel_options", "make_optimizer"]
 FUSED_DEVICES = ("cpu", "cuda")
 
 
-def kernel_options(params: Sequence[torch.Tensor]) -> dict[str, bool]:
+def kernel_options(params: Sequence[torch.Tensor], fused: bool = True) -> dict[str, bool]:
     """The implementation keyword for an optimizer of ``params``: ``fused=True`` when every parameter is a plain
-    floating-point tensor on a device of :data:`FUSED_DEVICES`; ``foreach=False`` when sharded and plain parameters
-    are mixed; else nothing (torch's default)."""
+    floating-point tensor on a device of :data:`FUSED_DEVICES` (and ``fused`` allows it); ``foreach=False`` when
+    sharded and plain parameters are mixed; else nothing (torch's default)."""
     sharded = [type(p).__name__ == "DTensor" for p in params]
     if any(sharded):
         return {} if all(sharded) else {"foreach": False}
-    if params and all(p.is_floating_point() and p.device.type in FUSED_DEVICES for p in params):
+    if fused and params and all(p.is_floating_point() and p.device.type in FUSED_DEVICES for p in params):
         return {"fused": True}
     return {}
 
 
-def make_optimizer(factory: Callable[..., torch.optim.Optimizer], params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """``factory(params)``, with :func:`kernel_options` added when ``factory`` is a partial of an optimizer class that
-    takes them (a Hydra ``_partial_`` config of a ``torch.optim`` class) and sets neither ``fused`` nor ``foreach``
-    itself; any other factory is called as it is."""
+def make_optimizer(factory: Callable[..., torch.optim.Optimizer], params: list[torch.Tensor],
+                   fused: bool = True) -> torch.optim.Optimizer:
+    """``factory(params)``, with :func:`kernel_options` (``fused`` passed on) added when ``factory`` is a partial of an
+    optimizer class that takes them (a Hydra ``_partial_`` config of a ``torch.optim`` class) and sets neither
+    ``fused`` nor ``foreach`` itself; any other factory is called as it is."""
     if isinstance(factory, functools.partial) and not {"fused", "foreach"} & set(factory.keywords):
         try:
             accepted = inspect.signature(factory.func).parameters
         except (TypeError, ValueError):
             accepted = {}
-        options: dict[str, Any] = {k: v for k, v in kernel_options(params).items() if k in accepted}
+        options: dict[str, Any] = {k: v for k, v in kernel_options(params, fused).items() if k in accepted}
         return factory(params, **options)
     return factory(params)
