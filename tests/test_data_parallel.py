@@ -109,3 +109,54 @@ def test_a_prediction_writer_pairs_every_sentence_with_its_own_prediction_on_dp2
     for result in results:
         for index, log_probs in result["rows"].items():
             assert log_probs == pytest.approx(reference[index], rel=1e-5, abs=1e-6), index
+
+
+class FirstTokens(pl.Callback):
+    """The first token of every row of every training batch this process loaded."""
+
+    def __init__(self) -> None:
+        self.values: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.values.append(batch[0][:, 0].tolist())
+
+
+def _unseeded_worker(rank: int, world_size: int) -> dict:
+    """A script that never seeds: a shuffling DataLoader of its own, a model with tied weights built in each process."""
+    import os
+
+    from torch.utils.data import DataLoader
+
+    warnings.filterwarnings("ignore")
+    os.environ.pop("PL_GLOBAL_SEED", None)  # inherited from a test that seeded: this script did not
+    sentences = [(torch.full((6,), i), torch.full((6,), i)) for i in range(1, 17)]
+    loader = DataLoader(sentences, batch_size=4, shuffle=True)
+    model = LSTMLanguageModel(20, embedding_dim=8, hidden_size=8, num_layers=2, tie_weights=True, lr=0.5)
+    seen = FirstTokens()
+    strategy = MPLSTMStrategy(data_parallel_size=2, pipeline_parallel_size=2, n_microbatches=2, timeout=60,
+                              report_after_steps=None)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[seen])
+    trainer.fit(model, train_dataloaders=loader)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "seen": seen.values}
+
+
+@pytest.mark.timeout(200)
+def test_a_script_that_never_seeds_trains_one_model_on_every_sentence_once_an_epoch():
+    """Each process of a launched script draws its own random state (spawned here, as Lightning's launcher and torchrun
+    start them). Before: replica 1 trained from other initial values than replica 0 (0.19 apart after 2 steps of dp2),
+    the tied decoder copy on pipeline rank 1 started from other values than the embedding (0.19 apart), and a
+    shuffling DataLoader gave each process its own order (pp2: a "different batches" error; dp2: silently some
+    sentences twice an epoch and some never)."""
+    ranks = run_ranks(_unseeded_worker, 4, timeout=180, start_method="spawn")
+    assert all(r["seen"] == ranks[0]["seen"] for r in ranks)  # every process loaded the same global batches
+    for epoch in (ranks[0]["seen"][:4], ranks[0]["seen"][4:]):
+        assert sorted(token for batch in epoch for token in batch) == list(range(1, 17))
+    assert ranks[0]["seen"][:4] != ranks[0]["seen"][4:]  # shuffled, anew each epoch
+    for first, second in ((0, 2), (1, 3)):  # replica 0's and replica 1's copy of each pipeline rank's blocks
+        assert set(ranks[first]["params"]) == set(ranks[second]["params"])
+        for name, value in ranks[first]["params"].items():
+            assert torch.equal(value, ranks[second]["params"][name]), name
+    for replica in (0, 2):  # the tied weight: the embedding on pipeline rank 0, the decoder's copy on rank 1
+        assert torch.equal(ranks[replica]["params"]["embedding.weight"], ranks[replica + 1]["params"]["decoder.weight"])

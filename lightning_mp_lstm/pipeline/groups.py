@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ProcessGroups", "shared"]
+__all__ = ["ProcessGroups", "copy_from_first", "shared"]
 
 
 @dataclass(frozen=True)
@@ -28,3 +30,13 @@ class ProcessGroups:
 def shared(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` has other members than this process."""
     return dist.get_world_size(group) > 1
+
+
+def copy_from_first(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Give every member of ``group`` its first member's values of ``tensors`` (the same tensors, in the same order, on
+    every member), in place: one broadcast each."""
+    if not shared(group):
+        return
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(tensor.detach(), group=group, group_src=0)

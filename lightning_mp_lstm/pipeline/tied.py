@@ -86,6 +86,13 @@ class TiedWeights:
                     shared.append((local[name], group))
         return cls(shared=shared, not_in_norm=not_in_norm)
 
+    def copy_first_owners(self) -> None:
+        """Give every copy of a tied weight its first owner's values (a process that drew its own initial values, with
+        no ``seed_everything``, would otherwise hold another weight than the copy it is tied to)."""
+        with torch.no_grad():
+            for parameter, group in self.shared:
+                dist.broadcast(local_tensor(parameter.detach()), group=group, group_src=0)
+
     def all_reduce(self) -> None:
         """Sum each tied weight's gradient over its owners (a copy without a gradient contributes zeros)."""
         for parameter, group in self.shared:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import atexit
 import gc
+import random
 import warnings
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
@@ -27,12 +29,12 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_mp_lstm.base.faults import PeerDirectory, forget_object_groups, setup_object_group
+from lightning_mp_lstm.base.faults import PeerDirectory, forget_object_groups, result_from, setup_object_group
 from lightning_mp_lstm.models.contract import PipelineModel, check_data
 from lightning_mp_lstm.models.declaration import ModelDeclarationError
 from lightning_mp_lstm.models.module_audit import NotReproducedWarning, audit, parameters_outside, render_findings
 from lightning_mp_lstm.pipeline.engine import PipelineEngine, build_engine
-from lightning_mp_lstm.pipeline.groups import ProcessGroups
+from lightning_mp_lstm.pipeline.groups import ProcessGroups, copy_from_first
 from lightning_mp_lstm.pipeline.sharding import shard_stages
 from lightning_mp_lstm.pipeline.tied import TiedWeights
 from lightning_mp_lstm.planning.layout import WAVEFRONT, LayoutError, ParallelLayout, schedule_style
@@ -303,15 +305,50 @@ def assemble_engine(
     data_parallel_rank, pipeline_rank = layout.coordinates(rank)[:2]
     engine = build_engine(blocks, layout, plan.partition, pipeline_rank, data_parallel_rank, ProcessGroups.of(mesh),
                           device, seed=torch.initial_seed())
+    # Replicas start from replica 0's values, as DDP's do: a process that drew its own (no seed_everything) would
+    # otherwise train another model than its peers.
+    copy_from_first(_held_tensors(module, engine), engine.groups.data_parallel)
     if layout.tensor_parallel_size > 1:
         blocks.parallelize_vocabulary(mesh["tensor_parallel"])
     if shard and layout.data_parallel_size > 1:
         shard_stages(engine.stage_modules.values(), mesh["data_parallel"], module)
         engine.sharded = True
     engine.tied = TiedWeights.build(module, aliases, layout)
+    engine.tied.copy_first_owners()
     for stage in engine.stage_modules.values():  # the user's modules keep the modes Lightning and the user give them
         stage.leave_modes_to(module)
     return engine
+
+
+def _held_tensors(module: torch.nn.Module, engine: PipelineEngine) -> list[torch.Tensor]:
+    """This process's parameters and buffers, its stages' (a model's adapter blocks included) and its module's, each
+    once, in an order every replica of its stages shares."""
+    seen: set[int] = set()
+    held = []
+    for part in (*(engine.stage_modules[index] for index in sorted(engine.stage_modules)), module):
+        for tensor in (*part.parameters(), *part.buffers()):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                held.append(tensor)
+    return held
+
+
+def share_random_state(device: torch.device) -> None:
+    """Give every process global rank 0's random state: torch's (on the CPU and a CUDA ``device``), numpy's and
+    Python's (a collective). After ``seed_everything`` (Lightning's ``reset_seed`` restored it on every process)
+    nothing changes. Without it each process drew its own, and a shuffling ``DataLoader`` or a random transform of the
+    user's would give each process other batches: a replica's processes must load the same one, and replicas given the
+    whole global batch take their rows of the same one."""
+    def states() -> tuple[Any, ...]:
+        accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return torch.get_rng_state(), np.random.get_state(), random.getstate(), accelerator
+
+    cpu, numpy_state, python_state, accelerator = result_from(0, states)
+    torch.set_rng_state(cpu)
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+    if accelerator is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(accelerator, device)
 
 
 def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: bool = True,

@@ -45,7 +45,12 @@ from lightning_mp_lstm.strategy.collectives import barrier, broadcast_object, re
 from lightning_mp_lstm.strategy.launcher import JobLauncher, count_job_call, job_released
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.pipeline_run import PipelineRun
-from lightning_mp_lstm.strategy.pipeline_setup import check_callbacks, explain_optimizer_error, start_process_groups
+from lightning_mp_lstm.strategy.pipeline_setup import (
+    check_callbacks,
+    explain_optimizer_error,
+    share_random_state,
+    start_process_groups,
+)
 from lightning_mp_lstm.strategy.precision import PipelinePrecision, set_numerics
 from lightning_mp_lstm.strategy.stopping import StopOnSignal, check_stop_signals
 
@@ -254,6 +259,7 @@ class MPLSTMStrategy(ParallelStrategy):
             self._device_mesh, self._peers = start_process_groups(
                 self.cluster_environment, self._process_group_backend, self.root_device, layout,
                 self._run.process.timeout)
+        share_random_state(self.root_device)
 
     def check(self, model: pl.LightningModule, datamodule: Any = None, fitting: bool = True,
               memory: bool = True) -> None:
