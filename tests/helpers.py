@@ -398,7 +398,8 @@ class DictStore:
 def run_ranks(fn: Any, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     """:func:`lightning_mp_lstm.base.testing.run_ranks` with its ranks forked from the forkserver unless
     ``start_method`` says otherwise: a rank then starts in milliseconds instead of importing torch and Lightning again
-    (about 7 s for 2 ranks, 15 s for 4 on 2 cores)."""
+    (about 7 s for 2 ranks, 15 s for 4 on 2 cores). Forked ranks share the forkserver's random state, which launched
+    processes do not: a test of what a script that never seeds does needs ``start_method="spawn"``."""
     return testing.run_ranks(fn, world_size, *args, **{"start_method": "forkserver", **kwargs})
 
 
