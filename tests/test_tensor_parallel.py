@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import MPLSTMStrategy
+from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.checkpoint import read_checkpoint
 from lightning_mp_lstm.planning.layout import LayoutError
 from tests.helpers import (
@@ -136,6 +136,29 @@ def test_gradients_clipped_by_value_on_tensor_parallel_shards_train_as_in_one_pr
     unclipped = _fit_clipped_by_value("auto", 1, clip=None)
     assert rel_error(reference["params"]["decoder.weight"], unclipped["params"]["decoder.weight"]) > 0.01  # clipped
     assert_split_equals_one_process(_fit_clipped_by_value, 2, LAYOUTS["tp2"][1], reference, STEPS, timeout=150)
+
+
+def _unseeded_tp2(rank: int, world_size: int) -> dict:
+    import os
+
+    warnings.filterwarnings("ignore")
+    os.environ.pop("PL_GLOBAL_SEED", None)  # inherited from a test that seeded: this script did not
+    model = LSTMLanguageModel(TP_VOCAB, embedding_dim=6, hidden_size=8, num_layers=2, lr=0.5)
+    strategy = MPLSTMStrategy(tensor_parallel_size=2, pipeline_parallel_size=1, n_microbatches=2, timeout=60,
+                              report_after_steps=None)
+    quiet_trainer(strategy, world_size, max_steps=2).fit(model, datamodule=FixedBatches())
+    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.processes
+def test_a_script_that_never_seeds_trains_one_model_on_tensor_parallel_peers():
+    """Both peers compute the blocks tensor parallelism does not split (the LSTMs); before, each started from the
+    values its own process drew (spawned as a launcher starts them, no seed_everything) and they trained apart."""
+    first, second = run_ranks(_unseeded_tp2, 2, timeout=180, start_method="spawn")
+    assert set(first) == set(second) and "lstm.0.weight_ih_l0" in first
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name
 
 
 def test_vocabulary_not_divisible_by_tensor_parallel_size_says_so():

@@ -305,9 +305,11 @@ def assemble_engine(
     data_parallel_rank, pipeline_rank = layout.coordinates(rank)[:2]
     engine = build_engine(blocks, layout, plan.partition, pipeline_rank, data_parallel_rank, ProcessGroups.of(mesh),
                           device, seed=torch.initial_seed())
-    # Replicas start from replica 0's values, as DDP's do: a process that drew its own (no seed_everything) would
-    # otherwise train another model than its peers.
-    copy_from_first(_held_tensors(module, engine), engine.groups.data_parallel)
+    # Replicas and tensor-parallel peers start from the first one's values, as DDP's replicas do: a process that drew
+    # its own (no seed_everything) would otherwise train another model than its peers.
+    held = _held_tensors(module, engine)
+    copy_from_first(held, engine.groups.data_parallel)
+    copy_from_first(held, engine.groups.tensor_parallel)  # the blocks it does not split are computed by each peer
     if layout.tensor_parallel_size > 1:
         blocks.parallelize_vocabulary(mesh["tensor_parallel"])
     if shard and layout.data_parallel_size > 1:
