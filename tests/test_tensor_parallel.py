@@ -143,22 +143,26 @@ def _unseeded_tp2(rank: int, world_size: int) -> dict:
 
     warnings.filterwarnings("ignore")
     os.environ.pop("PL_GLOBAL_SEED", None)  # inherited from a test that seeded: this script did not
-    model = LSTMLanguageModel(TP_VOCAB, embedding_dim=6, hidden_size=8, num_layers=2, lr=0.5)
+    model = LSTMLanguageModel(TP_VOCAB, embedding_dim=6, hidden_size=8, num_layers=2, lr=0.5, dropout=0.5)
+    dropped: list[float] = []  # what each dropout call let through, in training
+    model.dropout.register_forward_hook(lambda m, i, out: dropped.append(float(out.sum())) if m.training else None)
     strategy = MPLSTMStrategy(tensor_parallel_size=2, pipeline_parallel_size=1, n_microbatches=2, timeout=60,
-                              report_after_steps=None)
+                              report_after_steps=None, verify=False)
     quiet_trainer(strategy, world_size, max_steps=2).fit(model, datamodule=FixedBatches())
-    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    return {"params": {n: _full(p).detach().clone() for n, p in model.named_parameters()}, "dropped": dropped}
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.processes
 def test_a_script_that_never_seeds_trains_one_model_on_tensor_parallel_peers():
-    """Both peers compute the blocks tensor parallelism does not split (the LSTMs); before, each started from the
-    values its own process drew (spawned as a launcher starts them, no seed_everything) and they trained apart."""
+    """Both peers compute the blocks tensor parallelism does not split (the LSTMs, their dropout included); before,
+    each started from the values its own process drew (spawned as a launcher starts them, no seed_everything) and
+    drew its own dropout masks, and they trained apart."""
     first, second = run_ranks(_unseeded_tp2, 2, timeout=180, start_method="spawn")
-    assert set(first) == set(second) and "lstm.0.weight_ih_l0" in first
-    for name, value in first.items():
-        assert torch.equal(value, second[name]), name
+    assert set(first["params"]) == set(second["params"]) and "lstm.0.weight_ih_l0" in first["params"]
+    for name, value in first["params"].items():
+        assert torch.equal(value, second["params"][name]), name
+    assert len(first["dropped"]) > 4 and first["dropped"] == second["dropped"]  # the same masks on both
 
 
 def test_vocabulary_not_divisible_by_tensor_parallel_size_says_so():
