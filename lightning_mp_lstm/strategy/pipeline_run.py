@@ -193,8 +193,7 @@ class PipelineRun:
             self.module = module
             layout = self.layout
             if layout.processes_per_replica > 1 or self.process.shard_replicas:  # pruned, or sharded over replicas
-                _SPLIT[module] = (f"data x pipeline x tensor = {layout.data_parallel_size} x "
-                                  f"{layout.pipeline_parallel_size} x {layout.tensor_parallel_size}, {layout.schedule}")
+                _SPLIT[module] = _sizes(layout)
         # A data module that gives each replica its own share of every batch says so; other batches are global.
         self._engine.global_batches = not getattr(trainer.datamodule, "shards_data_parallel", False)
         return self._engine
@@ -264,9 +263,8 @@ class PipelineRun:
 
         layout = self.layout
         title = (f"mp_lstm verify: {type(module).__name__}.training_step on one process against the pipeline "
-                 f"(data x pipeline x tensor = {layout.data_parallel_size} x {layout.pipeline_parallel_size} x "
-                 f"{layout.tensor_parallel_size}, {layout.schedule}, {layout.n_microbatches} microbatches), {STEPS} "
-                 "steps on the first training batch, random draws equal")
+                 f"({_sizes(layout)}, {layout.n_microbatches} microbatches), {STEPS} steps on the first training "
+                 "batch, random draws equal")
         started = time.perf_counter()
         comparison = self.verifier.run(self.engine, module, batch, module.trainer, title, device,
                                        precision.convert_module, precision.inner.train_step_context)
@@ -275,6 +273,12 @@ class PipelineRun:
             raise VerificationError(comparison.table())
         self.metrics.log_as(comparison.names, comparison.flags)
         rank_zero_info(f"{comparison.table()} ({time.perf_counter() - started:.2f} s)")
+
+
+def _sizes(layout: ParallelLayout) -> str:
+    """The layout's sizes and schedule, as the strategy's messages name them."""
+    return (f"data x pipeline x tensor = {layout.data_parallel_size} x {layout.pipeline_parallel_size} x "
+            f"{layout.tensor_parallel_size}, {layout.schedule}")
 
 
 def _rows(batch: Any) -> int:
