@@ -63,6 +63,63 @@ def test_the_plan_adds_up_what_each_process_holds():
     assert tied.ranks[1].parameters == 160 * MIB  # the decoder's copy of the embedding's matrix
 
 
+def test_an_evaluation_batch_is_planned_beside_the_state_training_leaves():
+    """Evaluation runs mid-training, with the gradients and optimizer state held; its batches are often larger."""
+    outputs = {"embedding": 64.0, "lstm.0": 128.0, "lstm.1": 128.0}
+    whole = ModelMemory(parameters={"embedding": 10 * MIB, "lstm.0": MIB, "lstm.1": MIB, "decoder": 10 * MIB},
+                        activations={"embedding": 100.0, "lstm.0": 2000.0, "lstm.1": 2000.0, "decoder": 4e4},
+                        vocabulary=10_000, slice_tokens=None, optimizer_factor=2.0,
+                        outputs={**outputs, "decoder": 40_000.0})  # its loss takes a microbatch's whole logits
+    layout = ParallelLayout(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2)
+    partition = [["embedding", "lstm.0"], ["lstm.1", "decoder"]]
+    small = plan_memory(whole, layout, partition, BatchShape(8, 20, evaluation=BatchShape(8, 20)), 0)
+    large = plan_memory(whole, layout, partition, BatchShape(8, 20, evaluation=BatchShape(400, 20)), 0)
+    first, last = large.ranks
+    tokens = 200 * 20  # a microbatch of the evaluation batch
+    # Every microbatch's outputs kept until the step ends, the buffers stage 1 receives them in, one microbatch's
+    # LSTM forward (three of its outputs), and the log-probabilities of a microbatch's logits.
+    assert first.evaluation == 2 * tokens * 128 + tokens * 3 * 128
+    assert last.evaluation == 2 * tokens * 40_000 + 2 * tokens * 128 + tokens * 3 * 128 + tokens * 10_000 * 4
+    assert last.total == last.evaluating == last.parameters + last.gradients + last.optimizer + last.evaluation
+    assert small.ranks[1].total == small.ranks[1].training > small.ranks[1].evaluating  # training's set is larger
+    assert large.peak > 6 * small.peak and "eval" in large.table().splitlines()[1]
+    decoding = ModelMemory(**{**whole.__dict__, "slice_tokens": 64, "outputs": {**outputs, "decoder": 512.0}})
+    sliced = plan_memory(decoding, layout, partition, BatchShape(8, 20, evaluation=BatchShape(400, 20)), 0)
+    assert sliced.ranks[1].evaluation == 2 * tokens * 512 + 2 * tokens * 128 + tokens * 3 * 128 + 2 * 64 * 10_000 * 4
+    assert plan_memory(whole, layout, partition, BatchShape(8, 20), 0).ranks[1].evaluation == 0  # none: not planned
+
+
+def test_an_evaluation_batch_that_cannot_fit_is_refused_with_what_to_change():
+    gib = round(process_floor() / 2**30 + 0.5, 2)
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, memory_per_process=gib, report_after_steps=None)
+    pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
+    model, data = tiny_model(), FixedBatches()
+    strategy.check(model, data)  # training and evaluation batches of 8 sentences fit
+    data.eval_batch_size = 2_000_000  # as LMDataModule exposes it: 18 M tokens of a 9-token bucket
+    with pytest.raises(MemoryPlanError) as refused:
+        strategy.check(model, data)
+    message = str(refused.value)
+    assert "(mostly an evaluation batch)" in message and f"more than the {gib:.2f} GiB a process may use" in message
+    assert "the largest evaluation batch (2,000,000 sentences of 9 tokens per replica)" in message
+    assert "a smaller data.eval_batch_size" in message
+
+
+def test_no_step_keeps_its_outputs_once_it_is_done():
+    """torch's stages clear what they keep of a step (every microbatch's outputs, in evaluation) only when their next
+    step starts, and the engine keeps a schedule per batch shape: each shape would hold its last batch's outputs."""
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, report_after_steps=None, verify=False)
+    trainer = quiet_trainer(strategy, 1, max_steps=2)
+    try:
+        trainer.fit(tiny_model(), FixedBatches())
+        trainer.validate(trainer.lightning_module, FixedBatches())  # batches of 6 and 9 tokens: two shapes
+    finally:
+        strategy.shutdown()
+    schedules = list(strategy._run.engine._schedules.values())
+    stages = [stage for schedule in schedules for stage in getattr(schedule, "_stages", None) or [schedule._stage]]
+    assert len(schedules) >= 4 and len(stages) == len(schedules)  # training's and evaluation's shapes
+    assert all(not stage.fwd_cache and not stage.output_chunks for stage in stages)
+
+
 def test_sharded_replicas_hold_their_share_and_what_a_step_gathers_whole():
     model = ModelMemory(parameters={"embedding": 100 * MIB, "lstm.0": 10 * MIB, "lstm.1": 20 * MIB,
                                     "decoder": 50 * MIB},

@@ -32,7 +32,7 @@ from lightning_mp_lstm.pipeline.groups import shared as _shared
 from lightning_mp_lstm.pipeline.norm_exchange import NormExchange
 from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums, sum_the_rest
 from lightning_mp_lstm.pipeline.sharding import largest_share, reshard
-from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness
+from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness, release_step
 from lightning_mp_lstm.pipeline.tied import TiedWeights
 from lightning_mp_lstm.pipeline.transport import posts_receives_ahead
 from lightning_mp_lstm.pipeline.wavefront import WavefrontSchedule
@@ -197,6 +197,7 @@ class PipelineEngine:
         schedule = self._schedule(inputs.shape, "predict")
         with torch.no_grad():
             logits = schedule.eval(*((inputs,) if self.has_first_stage else ()))
+        release_step(schedule)
         if self.sharded:
             reshard(self.stage_modules.values())
         result = self.model.predictions(logits, targets) if self.has_last_stage and logits is not None else None
@@ -225,7 +226,8 @@ class PipelineEngine:
             if mode == "train":
                 schedule.step(*args, target=target, return_outputs=False)
             else:
-                schedule.eval(*args, target=target)
+                schedule.eval(*args, target=target, return_outputs=False)
+        release_step(schedule)
         terms = self._reduce_terms(self.model.finish_batch(), mode, early)
         terms = {name: value * accumulation for name, value in terms.items()}
         loss = terms.pop("loss")

@@ -103,9 +103,12 @@ class WavefrontSchedule:
         """Forward and backward of every unit; parameter gradients are added to ``.grad``."""
         return self._run(args, target, losses, backward=True, keep_outputs=return_outputs)
 
-    def eval(self, *args: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None) -> Any:
-        """Forward only; the last stage returns the whole batch's outputs when there is no loss to compute."""
-        return self._run(args, target, losses, backward=False, keep_outputs=self.loss_fn is None or target is None)
+    def eval(self, *args: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None,
+             return_outputs: bool = True) -> Any:
+        """Forward only; the last stage returns the whole batch's outputs when there is no loss to compute (and
+        ``return_outputs``)."""
+        keep = return_outputs and (self.loss_fn is None or target is None)
+        return self._run(args, target, losses, backward=False, keep_outputs=keep)
 
     # ----- the time steps ---------------------------------------------------------------------------------------
     def _actions(self, backward: bool) -> list[tuple[int, str, int, int]]:

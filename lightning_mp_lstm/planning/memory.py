@@ -9,7 +9,9 @@ fake tensors: :mod:`~lightning_mp_lstm.planning.activations`), and, on the proce
 the loss: three copies of a slice of logits (:mod:`~lightning_mp_lstm.models.decoded_loss`), or of a microbatch's
 whole logits when the module computes its own loss from them; and its largest block's gradient once more, computed
 whole before it is added to the gradient its parameters hold. One-file checkpoints gather the whole model and its
-optimizer state on global rank 0 while saving (what it receives from the other processes).
+optimizer state on global rank 0 while saving (what it receives from the other processes). Evaluation batches, often
+larger than training ones (``eval_batch_size``), are planned too (:func:`evaluation_bytes`): a process holds either a
+training step's working set or an evaluation batch's, beside its parameters, gradients and optimizer state.
 
 :func:`plan_memory` makes a :class:`MemoryPlan` for a partition; :func:`fitting_layouts` names the layouts whose best
 partition for memory fits, for a message that says what to do instead.
@@ -20,13 +22,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.planning.partition import compact_blocks, partition_blocks
 
-__all__ = ["BatchShape", "MemoryPlanError", "MemoryPlan", "ModelMemory", "RankMemory", "fitting_layouts",
-           "in_flight_microbatches", "memory_partition", "plan_memory", "process_floor"]
+__all__ = ["BatchShape", "MemoryPlanError", "MemoryPlan", "ModelMemory", "RankMemory", "evaluation_bytes",
+           "fitting_layouts", "in_flight_microbatches", "memory_partition", "plan_memory", "process_floor"]
 
 MIB, GIB = 2**20, 2**30
 
@@ -50,10 +52,12 @@ def process_floor() -> int:
 
 @dataclass(frozen=True)
 class BatchShape:
-    """The training batch that needs the most memory: ``rows`` sequences per replica of ``length`` tokens."""
+    """The training batch that needs the most memory: ``rows`` sequences per replica of ``length`` tokens; and the
+    evaluation batch that needs the most (``None``: not planned)."""
 
     rows: int
     length: int
+    evaluation: BatchShape | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ class ModelMemory:
         optimizer_factor: optimizer state bytes per parameter byte.
         tied_copy: bytes of the embedding's matrix that the decoder shares (0: untied): a process with the decoder
             and not the embedding holds a copy.
+        outputs: bytes of every block's output per token (the decoder's: its logits, or its input where the loss
+            decodes slices), which a stage keeps of every microbatch while evaluating.
     """
 
     parameters: Mapping[str, int]
@@ -77,6 +83,7 @@ class ModelMemory:
     slice_tokens: int | None
     optimizer_factor: float
     tied_copy: int = 0
+    outputs: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def block_names(self) -> list[str]:
@@ -97,6 +104,7 @@ class RankMemory:
     loss: int
     temporary: int = 0
     saving: int = 0
+    evaluation: int = 0
 
     @property
     def training(self) -> int:
@@ -105,9 +113,14 @@ class RankMemory:
                 + self.temporary)
 
     @property
+    def evaluating(self) -> int:
+        """The peak while evaluating (mid-training, the gradients and optimizer state still held)."""
+        return self.floor + self.parameters + self.gradients + self.optimizer + self.evaluation
+
+    @property
     def total(self) -> int:
         """The peak, a one-file save on global rank 0 included."""
-        return self.training + self.saving
+        return max(self.training, self.evaluating) + self.saving
 
 
 @dataclass(frozen=True)
@@ -130,10 +143,11 @@ class MemoryPlan:
 
     def table(self) -> str:
         """The plan as a fixed-width table, MiB."""
-        header = ["rank", "blocks", "floor", "params", "grads", "optim", "activ", "loss", "temp", "save", "peak"]
+        header = ["rank", "blocks", "floor", "params", "grads", "optim", "activ", "loss", "temp", "eval", "save",
+                  "peak"]
         rows = [[str(r.pipeline_rank), compact_blocks(r.blocks), *(f"{v / MIB:,.0f}" for v in (
-            r.floor, r.parameters, r.gradients, r.optimizer, r.activations, r.loss, r.temporary, r.saving, r.total))]
-            for r in self.ranks]
+            r.floor, r.parameters, r.gradients, r.optimizer, r.activations, r.loss, r.temporary, r.evaluation,
+            r.saving, r.total))] for r in self.ranks]
         widths = [max(len(header[c]), *(len(row[c]) for row in rows)) for c in range(len(header))]
 
         def line(cells: Sequence[str]) -> str:
@@ -141,7 +155,8 @@ class MemoryPlan:
 
         budget = (f"{self.budget / MIB:,.0f} MiB per process ({self.source})" if self.budget is not None
                   else "not known")
-        return "\n".join([f"memory per process (MiB, predicted peak; budget {budget}):", line(header),
+        return "\n".join([f"memory per process (MiB, predicted peak; budget {budget}; eval: an evaluation batch's "
+                          "forward, instead of activ + loss + temp):", line(header),
                           "  ".join("-" * w for w in widths), *(line(row) for row in rows)])
 
 
@@ -164,7 +179,7 @@ def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[
         model: the blocks' memory (:class:`ModelMemory`).
         layout: the layout (its stages, schedule, microbatches and tensor-parallel split).
         partition: block names per stage.
-        batch: the training batch that needs the most memory (rows per replica).
+        batch: the training batch that needs the most memory (rows per replica), and the evaluation batch.
         floor: bytes every process holds before its blocks (:func:`process_floor`).
         budget, source: bytes a process may use and where that comes from (``None``: unknown).
         one_file_checkpoint: checkpoints are one file gathered on global rank 0 (its peak while saving).
@@ -198,11 +213,43 @@ def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[
         if shard > 1:
             gathered = _gathered(model, blocks, layout.n_microbatches)
             gradients += gathered if layout.n_microbatches > 1 else 0
+        evaluation = (evaluation_bytes(model, layout, [partition[s] for s in sorted(stages)], batch.evaluation)
+                      if batch.evaluation is not None else 0)
         ranks.append(RankMemory(pipeline_rank, tuple(blocks), floor, int(held + gathered), int(gradients),
-                                int(held * model.optimizer_factor), int(activations), loss, int(temporary)))
+                                int(held * model.optimizer_factor), int(activations), loss, int(temporary),
+                                evaluation=evaluation))
     if one_file_checkpoint:  # global rank 0 receives every other process's tensors; its own are not copied
         ranks[0] = replace(ranks[0], saving=int((whole - ranks[0].parameters) * (1 + model.optimizer_factor)))
     return MemoryPlan(layout, tuple(ranks), budget, source)
+
+
+def evaluation_bytes(model: ModelMemory, layout: ParallelLayout, stages: Sequence[Sequence[str]],
+                     batch: BatchShape) -> int:
+    """Bytes a process holds for an evaluation ``batch`` (rows per replica) beside its parameters, gradients and
+    optimizer state, over its ``stages`` (block names each): every microbatch's outputs of each stage until the step
+    ends (torch's stages keep them for a backward that evaluation never runs) and the buffers a later stage receives
+    them in; one microbatch's forward at a time, three outputs of an LSTM layer (its output, and its input and output
+    reordered for the kernel: without a backward torch's CPU kernel keeps no workspace, measured with torch's
+    profiler); and, with the decoder, the loss's working set: its log-probabilities of a slice of tokens, or of a
+    microbatch's whole logits when the module's own loss takes them (the logits are the decoder's output, counted
+    with the outputs)."""
+    tp = layout.tensor_parallel_size
+    names = model.block_names
+    embedding, decoder = names[0], names[-1]
+    microbatches = layout.n_microbatches
+    tokens = math.ceil(batch.rows / microbatches) * batch.length
+    held = 0.0
+    for blocks in stages:
+        first, last = names.index(blocks[0]), blocks[-1]
+        held += microbatches * tokens * model.outputs.get(last, 0.0) / (tp if tp > 1 and last == decoder else 1)
+        if first > 0:
+            held += microbatches * tokens * model.outputs.get(names[first - 1], 0.0)
+        held += tokens * max((3 * model.outputs.get(b, 0.0) for b in blocks if b not in (embedding, decoder)),
+                             default=0.0)
+        if decoder in blocks:
+            width = model.vocabulary / tp
+            held += (2 if model.slice_tokens else 1) * min(tokens, model.slice_tokens or tokens) * width * 4
+    return int(held)
 
 
 def _gathered(model: ModelMemory, blocks: Sequence[str], microbatches: int) -> float:

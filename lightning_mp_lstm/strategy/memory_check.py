@@ -2,9 +2,9 @@
 :mod:`~lightning_mp_lstm.planning.memory`.
 
 It gathers what the plan needs from the module (its blocks' shapes, the optimizer its ``configure_optimizers``
-builds) and from the data (the largest training batch), measures the floor in this process, and refuses a layout
-that cannot fit with the table and the layouts that would (:func:`check_memory`); the one-file checkpoint format
-is chosen only where global rank 0 can gather the whole model (:func:`one_file_fits`).
+builds) and from the data (the largest training and evaluation batches), measures the floor in this process, and
+refuses a layout that cannot fit with the table and the layouts that would (:func:`check_memory`); the one-file
+checkpoint format is chosen only where global rank 0 can gather the whole model (:func:`one_file_fits`).
 """
 
 from __future__ import annotations
@@ -92,26 +92,69 @@ def model_memory(blocks: PipelineModel, module: nn.Module) -> ModelMemory:
                        vocabulary=int(getattr(blocks, "logits_width", 0)),
                        slice_tokens=getattr(blocks, "loss_slice_tokens", None),
                        optimizer_factor=factor,
-                       tied_copy=int(getattr(blocks, "tied_numel", 0) * element))
+                       tied_copy=int(getattr(blocks, "tied_numel", 0) * element),
+                       outputs=_output_bytes(blocks, element))
+
+
+def _output_bytes(blocks: PipelineModel, element: int) -> dict[str, float]:
+    """Bytes of each block's output per token, from its widths: the embedding's vectors, an LSTM layer's hidden
+    states, the decoder's logits (its input where the loss decodes slices); 0 where the model does not say."""
+    names = list(blocks.block_names)
+    sizes = list(getattr(blocks, "sizes", None) or [])
+    widths = []
+    for index in range(len(names)):
+        if index == 0:
+            widths.append(getattr(blocks, "embedding_dim", 0))
+        elif index == len(names) - 1:
+            widths.append(getattr(blocks, "decoder_in", 0) if getattr(blocks, "decodes_in_loss", False)
+                          else getattr(blocks, "logits_width", 0))
+        else:
+            widths.append(sizes[index - 1][1] if len(sizes) == len(names) - 2 else 0)
+    return {name: float(width * element) for name, width in zip(names, widths, strict=True)}
 
 
 def largest_batch(datamodule: Any, layout: ParallelLayout) -> BatchShape | None:
     """The training batch of the longest bucket, one replica's rows (``None``: the data does not say its shape): as
     many sentences as the batch size (or token budget) allows and the longest bucket holds (``LMDataModule``'s
-    bucketed training split tells; a corpus with one long line has a batch of one there)."""
+    bucketed training split tells; a corpus with one long line has a batch of one there); with it, the evaluation
+    batch of the most tokens (``eval_batch_size`` rows, or as many as a validation or test bucket holds)."""
     lengths = getattr(datamodule, "bucket_lengths", None)
     rows, tokens = getattr(datamodule, "batch_size", None), getattr(datamodule, "max_tokens", None)
     if not lengths or not (rows or tokens):
         return None
     longest = max(lengths)
-    if tokens:
-        rows = min(rows or tokens, max(1, tokens // longest))
+    held = _held(datamodule, ("train",))
+    train_rows = min(rows or tokens, max(1, tokens // longest)) if tokens else rows
+    train_rows = min(train_rows, held[longest]) if held.get(longest) else train_rows
+    eval_rows, held = getattr(datamodule, "eval_batch_size", None) or rows, _held(datamodule, ("valid", "test"))
+    shapes = []
+    for length in lengths:
+        count = min(eval_rows or tokens, max(1, tokens // length)) if tokens else eval_rows
+        count = min(count, held[length]) if held else count
+        if count:
+            shapes.append((count * length, length, count))
+    replicas = layout.data_parallel_size
+    evaluation = max(shapes, default=None)
+    return BatchShape(math.ceil(train_rows / replicas), longest,
+                      BatchShape(math.ceil(evaluation[2] / replicas), evaluation[1]) if evaluation else None)
+
+
+def _held(datamodule: Any, splits: tuple[str, ...]) -> dict[int, int]:
+    """Sentences each bucket length holds in the fullest of ``splits`` (empty: the data module does not say, or
+    its batches are windows of a stream)."""
     dataset = getattr(datamodule, "dataset", None)
-    if callable(dataset) and getattr(datamodule, "mode", "sentences") == "sentences":
-        train = dataset("train")
-        held = int((np.asarray(train.buckets)[train.bucket_indices] == longest).sum())
-        rows = min(rows, held) if held else rows
-    return BatchShape(math.ceil(rows / layout.data_parallel_size), longest)
+    if not callable(dataset) or getattr(datamodule, "mode", "sentences") != "sentences":
+        return {}
+    held: dict[int, int] = {}
+    for split in splits:
+        try:
+            data = dataset(split)
+        except (OSError, ValueError):  # a split the corpus cannot give: its own loader says why, when it is asked
+            continue
+        lengths, counts = np.unique(np.asarray(data.buckets)[data.bucket_indices], return_counts=True)
+        for length, count in zip(lengths.tolist(), counts.tolist(), strict=True):
+            held[int(length)] = max(held.get(int(length), 0), int(count))
+    return held
 
 
 def candidate_layouts(layout: ParallelLayout, tensor_parallel: bool) -> dict[str, ParallelLayout]:
@@ -178,11 +221,13 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
     fullest = max(plan.ranks, key=lambda rank: rank.total)
     biggest = max(("parameters, gradients and optimizer state", fullest.parameters + fullest.gradients +
                    fullest.optimizer), ("activations", fullest.activations), ("the loss's logits", fullest.loss),
+                  ("an evaluation batch", fullest.evaluation if fullest.evaluating > fullest.training else 0),
                   key=lambda item: item[1])[0]
     advice = {
         "activations": _activations_advice(plan, fullest, batch, datamodule),
         "the loss's logits": "an adaptive softmax (model.softmax=adaptive) or a smaller data.batch_size",
         "parameters, gradients and optimizer state": "more pipeline stages, or an optimizer with less state",
+        "an evaluation batch": _evaluation_advice(batch),
     }[biggest]
     raise MemoryPlanError(
         f"{layout.world_size} process(es) of {layout} cannot hold this model and batch: the fullest needs about "
@@ -190,6 +235,15 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
         f"{plan.table()}\n"
         + (f"Layouts that fit: {alternatives}." if alternatives else "No layout of up to 8 processes fits.")
         + f" Or: {advice}.")
+
+
+def _evaluation_advice(batch: BatchShape) -> str:
+    """What to change when an evaluation batch does not fit."""
+    shape = batch.evaluation
+    assert shape is not None  # noqa: S101  (only an evaluation batch's plan names it)
+    return (f"the largest evaluation batch ({shape.rows:,} sentences of {shape.length:,} tokens per replica) is "
+            "what does not fit: a smaller data.eval_batch_size (LMDataModule(eval_batch_size=...)), or a loss that "
+            "decodes slices of tokens (declare no loss hook)")
 
 
 def _activations_advice(plan: MemoryPlan, fullest: Any, batch: BatchShape, datamodule: Any) -> str:
