@@ -120,6 +120,25 @@ def test_no_step_keeps_its_outputs_once_it_is_done():
     assert all(not stage.fwd_cache and not stage.output_chunks for stage in stages)
 
 
+class _Unshaped(FixedBatches):
+    bucket_lengths = None  # the shape of its batches is not said
+
+
+@pytest.mark.parametrize("data", [FixedBatches, _Unshaped])
+def test_a_run_says_whether_its_memory_is_planned(caplog, data):
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, report_after_steps=None, verify=False)
+    with caplog.at_level("INFO"):
+        try:
+            quiet_trainer(strategy, 1, max_steps=1).fit(tiny_model(), data())
+        finally:
+            strategy.shutdown()
+    if data is FixedBatches:
+        assert strategy.memory is not None and "memory per process (MiB, predicted peak" in caplog.text
+    else:
+        assert strategy.memory is None and "memory per process: not planned: _Unshaped does not say its batches' " \
+            "shape (batch_size and bucket_lengths" in caplog.text
+
+
 def test_sharded_replicas_hold_their_share_and_what_a_step_gathers_whole():
     model = ModelMemory(parameters={"embedding": 100 * MIB, "lstm.0": 10 * MIB, "lstm.1": 20 * MIB,
                                     "decoder": 50 * MIB},

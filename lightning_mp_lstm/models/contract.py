@@ -104,6 +104,10 @@ class PipelineData(Protocol):
 
     # Optional: ``shards_data_parallel = True`` when each data-parallel replica's loaders yield its own share of
     # every global batch (LMDataModule); otherwise every replica is given the global batch and takes its rows.
+    # ``bucket_lengths`` (the lengths batches are padded to) and, with it, ``eval_batch_size`` (sequences per
+    # evaluation batch; ``None``: ``batch_size``) and ``dataset(split)`` (a split's ``buckets`` and
+    # ``bucket_indices``: how many sequences each bucket holds) let the memory plan find the largest training and
+    # evaluation batches; without ``bucket_lengths`` memory is not planned (the run says so).
 
 
 def _missing(obj: Any, protocol: type) -> list[str]:

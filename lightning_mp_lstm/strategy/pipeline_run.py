@@ -206,7 +206,7 @@ class PipelineRun:
         self.memory, chosen = result_from(0, lambda: plan_memory_of_run(
             module, blocks, self.layout, self.options, self.process, datamodule, device, local_processes, plan))
         self.checkpoints = ckpt.checkpoint_format(chosen)
-        table = f"\n{self.memory.table()}" if self.memory is not None else ""
+        table = f"\n{self.memory.table() if self.memory is not None else _unplanned(datamodule)}"
         rank_zero_info(f"mp_lstm: {plan.layout}\npartition (costs by {plan.cost_kind}):\n{self.report}{table}")
 
     # ----- steps ----------------------------------------------------------------------------------------
@@ -273,6 +273,14 @@ class PipelineRun:
             raise VerificationError(comparison.table())
         self.metrics.log_as(comparison.names, comparison.flags)
         rank_zero_info(f"{comparison.table()} ({time.perf_counter() - started:.2f} s)")
+
+
+def _unplanned(datamodule: Any) -> str:
+    """Why a run has no memory plan: its data does not say its batches' shape."""
+    source = type(datamodule).__name__ if datamodule is not None else "the dataloaders given to fit"
+    return (f"memory per process: not planned: {source} does not say its batches' shape (batch_size and "
+            "bucket_lengths, as LMDataModule gives them: lightning_mp_lstm.models.contract.PipelineData), so a batch "
+            "too large for a process is found only by running it")
 
 
 def _sizes(layout: ParallelLayout) -> str:
