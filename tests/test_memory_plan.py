@@ -22,7 +22,7 @@ from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.models.binding import pipeline_model
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.planning.memory import BatchShape, MemoryPlanError, ModelMemory, plan_memory, process_floor
-from lightning_mp_lstm.strategy.memory_check import optimizer_state_factor
+from lightning_mp_lstm.strategy.memory_check import largest_batch, optimizer_state_factor
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.pipeline_setup import plan_memory_of_run
 from tests.helpers import ROOT, FixedBatches, quiet_trainer, run_ranks, tiny_model
@@ -89,6 +89,29 @@ def test_an_evaluation_batch_is_planned_beside_the_state_training_leaves():
     assert plan_memory(whole, layout, partition, BatchShape(8, 20), 0).ranks[1].evaluation == 0  # none: not planned
 
 
+class _Split:
+    """A bucketed split: how many sentences each bucket length holds."""
+
+    def __init__(self, held: dict[int, int]) -> None:
+        self.buckets = sorted(held)
+        self.bucket_indices = [self.buckets.index(length) for length, n in held.items() for _ in range(n)]
+
+
+class _Bucketed:
+    bucket_lengths, batch_size, eval_batch_size, max_tokens, mode = [10, 20, 40], 8, 100, None, "sentences"
+    splits = {"train": {10: 50, 20: 50, 40: 3}, "valid": {10: 300, 20: 60, 40: 2}, "test": {10: 5, 20: 80}}
+
+    def dataset(self, split: str) -> _Split:
+        return _Split(self.splits[split])
+
+
+def test_the_plan_takes_the_longest_training_batch_and_the_evaluation_batch_of_the_most_tokens():
+    batch = largest_batch(_Bucketed(), ParallelLayout(data_parallel_size=2, pipeline_parallel_size=1))
+    # Training: the longest bucket's 3 sentences, 2 on a replica. Evaluation: 100 x 10 = 1,000 tokens, 80 x 20 (the
+    # test split's 80 sentences of 20) = 1,600, 2 x 40 = 80: 80 x 20, 40 on a replica.
+    assert batch == BatchShape(2, 40, evaluation=BatchShape(40, 20))
+
+
 def test_an_evaluation_batch_that_cannot_fit_is_refused_with_what_to_change():
     gib = round(process_floor() / 2**30 + 0.5, 2)
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, memory_per_process=gib, report_after_steps=None)
@@ -118,6 +141,28 @@ def test_no_step_keeps_its_outputs_once_it_is_done():
     stages = [stage for schedule in schedules for stage in getattr(schedule, "_stages", None) or [schedule._stage]]
     assert len(schedules) >= 4 and len(stages) == len(schedules)  # training's and evaluation's shapes
     assert all(not stage.fwd_cache and not stage.output_chunks for stage in stages)
+
+
+def test_a_run_that_only_evaluates_is_planned_for_its_parameters_and_evaluation_batches():
+    data = FixedBatches()
+    data.eval_batch_size = 64
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, report_after_steps=None, verify=False)
+    try:
+        quiet_trainer(strategy, 1).validate(tiny_model(), data)
+    finally:
+        strategy.shutdown()
+    rank = strategy.memory.ranks[0]
+    assert rank.parameters > 0 and rank.evaluation > 0 and rank.total == rank.evaluating
+    assert rank.gradients == rank.optimizer == rank.activations == rank.loss == rank.temporary == rank.saving == 0
+    gib = round(process_floor() / 2**30 + 0.5, 2)
+    data.eval_batch_size = 2_000_000
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, memory_per_process=gib, report_after_steps=None,
+                              verify=False)
+    try:
+        with pytest.raises(MemoryPlanError, match=r"\(mostly an evaluation batch\)"):
+            quiet_trainer(strategy, 1).validate(tiny_model(), data)
+    finally:
+        strategy.shutdown()
 
 
 class _Unshaped(FixedBatches):

@@ -172,7 +172,7 @@ def in_flight_microbatches(layout: ParallelLayout, stage: int) -> int:
 
 def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[Sequence[str]], batch: BatchShape,
                 floor: int, budget: int | None = None, source: str = "", one_file_checkpoint: bool = False,
-                shard: int = 1) -> MemoryPlan:
+                shard: int = 1, purpose: str = "fit") -> MemoryPlan:
     """The predicted peak of every pipeline rank for ``partition``.
 
     Args:
@@ -185,6 +185,9 @@ def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[
         one_file_checkpoint: checkpoints are one file gathered on global rank 0 (its peak while saving).
         shard: replicas each stage's parameters, gradients and optimizer state are sharded over (FSDP2,
             ``shard_replicas``): ``1/shard`` of each is held, plus what a step gathers whole (:func:`_gathered`).
+        purpose: ``"fit"``: the run trains (and evaluates); ``"evaluate"`` or ``"predict"``: it only evaluates or
+            predicts (``validate``, ``test`` or ``predict`` on a new Trainer), and its processes hold the parameters
+            and the evaluation batch's working set, nothing else.
     """
     tp = layout.tensor_parallel_size
     embedding, decoder = model.block_names[0], model.block_names[-1]
@@ -213,18 +216,22 @@ def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[
         if shard > 1:
             gathered = _gathered(model, blocks, layout.n_microbatches)
             gradients += gathered if layout.n_microbatches > 1 else 0
-        evaluation = (evaluation_bytes(model, layout, [partition[s] for s in sorted(stages)], batch.evaluation)
-                      if batch.evaluation is not None else 0)
+        evaluation = (evaluation_bytes(model, layout, [partition[s] for s in sorted(stages)], batch.evaluation,
+                                       predicting=purpose == "predict") if batch.evaluation is not None else 0)
+        if purpose != "fit":
+            ranks.append(RankMemory(pipeline_rank, tuple(blocks), floor, int(held + gathered), 0, 0, 0, 0,
+                                    evaluation=evaluation))
+            continue
         ranks.append(RankMemory(pipeline_rank, tuple(blocks), floor, int(held + gathered), int(gradients),
                                 int(held * model.optimizer_factor), int(activations), loss, int(temporary),
                                 evaluation=evaluation))
-    if one_file_checkpoint:  # global rank 0 receives every other process's tensors; its own are not copied
+    if one_file_checkpoint and purpose == "fit":  # rank 0 receives every other process's tensors, not its own
         ranks[0] = replace(ranks[0], saving=int((whole - ranks[0].parameters) * (1 + model.optimizer_factor)))
     return MemoryPlan(layout, tuple(ranks), budget, source)
 
 
 def evaluation_bytes(model: ModelMemory, layout: ParallelLayout, stages: Sequence[Sequence[str]],
-                     batch: BatchShape) -> int:
+                     batch: BatchShape, predicting: bool = False) -> int:
     """Bytes a process holds for an evaluation ``batch`` (rows per replica) beside its parameters, gradients and
     optimizer state, over its ``stages`` (block names each): every microbatch's outputs of each stage until the step
     ends (torch's stages keep them for a backward that evaluation never runs) and the buffers a later stage receives
@@ -232,7 +239,8 @@ def evaluation_bytes(model: ModelMemory, layout: ParallelLayout, stages: Sequenc
     reordered for the kernel: without a backward torch's CPU kernel keeps no workspace, measured with torch's
     profiler); and, with the decoder, the loss's working set: its log-probabilities of a slice of tokens, or of a
     microbatch's whole logits when the module's own loss takes them (the logits are the decoder's output, counted
-    with the outputs)."""
+    with the outputs). ``predicting``: the predictions' log-probabilities of the whole batch's logits, merged from
+    the microbatches (a slice at a time where the loss decodes slices)."""
     tp = layout.tensor_parallel_size
     names = model.block_names
     embedding, decoder = names[0], names[-1]
@@ -248,7 +256,8 @@ def evaluation_bytes(model: ModelMemory, layout: ParallelLayout, stages: Sequenc
                              default=0.0)
         if decoder in blocks:
             width = model.vocabulary / tp
-            held += (2 if model.slice_tokens else 1) * min(tokens, model.slice_tokens or tokens) * width * 4
+            whole = microbatches if predicting and not model.slice_tokens else 1
+            held += (2 if model.slice_tokens else whole) * min(tokens, model.slice_tokens or tokens) * width * 4
     return int(held)
 
 
@@ -273,15 +282,17 @@ def memory_partition(model: ModelMemory, layout: ParallelLayout, batch: BatchSha
 
 
 def fitting_layouts(model: ModelMemory, candidates: Mapping[str, ParallelLayout], batch: BatchShape, floor: int,
-                    budget_for: Callable[[ParallelLayout], tuple[int | None, str]]) -> list[tuple[str, MemoryPlan]]:
+                    budget_for: Callable[[ParallelLayout], tuple[int | None, str]],
+                    purpose: str = "fit") -> list[tuple[str, MemoryPlan]]:
     """The candidate layouts (by name) whose best partition for memory fits ``budget_for(layout)`` (bytes and its
-    source), smallest peak first."""
+    source), smallest peak first (``purpose``: as :func:`plan_memory`)."""
     fitting = []
     for name, layout in candidates.items():
         if layout.num_stages > len(model.block_names):
             continue
         budget, source = budget_for(layout)
-        plan = plan_memory(model, layout, memory_partition(model, layout, batch), batch, floor, budget, source)
+        plan = plan_memory(model, layout, memory_partition(model, layout, batch), batch, floor, budget, source,
+                           purpose=purpose)
         if plan.fits:
             fitting.append((name, plan))
     return sorted(fitting, key=lambda item: (item[1].layout.world_size, item[1].peak))

@@ -130,7 +130,7 @@ def largest_batch(datamodule: Any, layout: ParallelLayout) -> BatchShape | None:
     shapes = []
     for length in lengths:
         count = min(eval_rows or tokens, max(1, tokens // length)) if tokens else eval_rows
-        count = min(count, held[length]) if held else count
+        count = min(count, held.get(length, 0)) if held else count
         if count:
             shapes.append((count * length, length, count))
     replicas = layout.data_parallel_size
@@ -181,7 +181,7 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
                  datamodule: Any, budget: int | None, source: str,
                  budget_for: Callable[[ParallelLayout], tuple[int | None, str]],
                  partition: list[list[str]] | None = None, one_file_checkpoint: bool = False,
-                 shard: int = 1) -> MemoryPlan | None:
+                 shard: int = 1, purpose: str = "fit") -> MemoryPlan | None:
     """The run's memory plan, refused when a process cannot hold its share.
 
     Args:
@@ -194,6 +194,7 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
             that holds the least memory (measured balancing decides later: the check is then a lower bound).
         one_file_checkpoint: global rank 0 gathers the whole model and its optimizer state to save.
         shard: replicas each stage's parameters are sharded over (``shard_replicas``; 1: none).
+        purpose: ``"fit"``, ``"evaluate"`` or ``"predict"`` (:func:`~lightning_mp_lstm.planning.memory.plan_memory`).
 
     Raises:
         MemoryPlanError: naming the layout, the fullest process, the budget, the table and the layouts that fit.
@@ -206,7 +207,7 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
     partition = partition or options.fixed_partition(names, layout.num_stages) or memory_partition(model, layout,
                                                                                                   batch)
     floor = process_floor()
-    plan = plan_memory(model, layout, partition, batch, floor, budget, source, one_file_checkpoint, shard)
+    plan = plan_memory(model, layout, partition, batch, floor, budget, source, one_file_checkpoint, shard, purpose)
     if plan.fits:
         return plan
     if one_file_checkpoint and plan_memory(model, layout, partition, batch, floor, budget, source, shard=shard).fits:
@@ -215,7 +216,7 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
             f"{_describe(plan)}, more than the {budget / GIB:,.2f} GiB a process may use ({source}). Save sharded "
             f"checkpoints (strategy.checkpoint_format=sharded, or auto)\n{plan.table()}")
     fitting = fitting_layouts(model, candidate_layouts(layout, hasattr(blocks, "parallelize_vocabulary")), batch,
-                              floor, budget_for)
+                              floor, budget_for, purpose)
     alternatives = "; ".join(f"{name} ({p.peak / GIB:,.2f} of {p.budget / GIB:,.2f} GiB)" for name, p in fitting[:4]
                              if p.budget is not None)
     fullest = max(plan.ranks, key=lambda rank: rank.total)

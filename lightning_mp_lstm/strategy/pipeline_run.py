@@ -181,8 +181,7 @@ class PipelineRun:
                                                 getattr(blocks, "reduction", "token_mean"))
             if self._plan is None:
                 self._plan = plan_run(blocks, self.layout, self.options, trainer.datamodule, precision, device)
-                if fitting:
-                    self._plan_memory(module, blocks, trainer.datamodule, device, local_processes)
+                self._plan_memory(module, blocks, trainer.datamodule, device, local_processes, trainer.state.fn)
             if self.model_names.state_keys is None:  # the whole model, before pruning
                 self.model_names = ckpt.ModelNames.of(module)
             if fitting and self.verifier is None:
@@ -199,13 +198,15 @@ class PipelineRun:
         return self._engine
 
     def _plan_memory(self, module: Any, blocks: PipelineModel, datamodule: Any, device: torch.device,
-                     local_processes: int) -> None:
-        """Every rank takes global rank 0's memory plan (a refusal fails every rank at once);
+                     local_processes: int, fn: TrainerFn) -> None:
+        """Every rank takes global rank 0's memory plan (a refusal fails every rank at once); fitting,
         ``checkpoint_format="auto"`` becomes one file or sharded here. The plan is printed with it."""
         plan = self.plan
         self.memory, chosen = result_from(0, lambda: plan_memory_of_run(
-            module, blocks, self.layout, self.options, self.process, datamodule, device, local_processes, plan))
-        self.checkpoints = ckpt.checkpoint_format(chosen)
+            module, blocks, self.layout, self.options, self.process, datamodule, device, local_processes, plan,
+            purpose=_purpose(fn)))
+        if fn == TrainerFn.FITTING:
+            self.checkpoints = ckpt.checkpoint_format(chosen)
         table = f"\n{self.memory.table() if self.memory is not None else _unplanned(datamodule)}"
         rank_zero_info(f"mp_lstm: {plan.layout}\npartition (costs by {plan.cost_kind}):\n{self.report}{table}")
 
@@ -273,6 +274,11 @@ class PipelineRun:
             raise VerificationError(comparison.table())
         self.metrics.log_as(comparison.names, comparison.flags)
         rank_zero_info(f"{comparison.table()} ({time.perf_counter() - started:.2f} s)")
+
+
+def _purpose(fn: TrainerFn) -> str:
+    """What a Trainer call's memory is planned for (:func:`~lightning_mp_lstm.planning.memory.plan_memory`)."""
+    return {TrainerFn.FITTING: "fit", TrainerFn.PREDICTING: "predict"}.get(fn, "evaluate")
 
 
 def _unplanned(datamodule: Any) -> str:

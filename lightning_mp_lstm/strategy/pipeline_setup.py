@@ -230,8 +230,9 @@ def check_run(
         process.check_batch(layout, datamodule)
     if layout.time_chunks > 1 and not options.auto_time_chunks:
         layout.check_time_chunks(getattr(datamodule, "bucket_lengths", None) or [])
-    if fitting and device is not None and module is not None:
-        plan_memory_of_run(module, blocks, layout, options, process, datamodule, device, local_processes)
+    if device is not None and module is not None:
+        plan_memory_of_run(module, blocks, layout, options, process, datamodule, device, local_processes,
+                           purpose="fit" if fitting else "evaluate")
 
 
 def check_sharding(layout: ParallelLayout, precision: str | None) -> None:
@@ -260,10 +261,12 @@ def check_sharded_precision(precision: str | None) -> None:
 
 def plan_memory_of_run(module: torch.nn.Module, blocks: PipelineModel, layout: ParallelLayout, options: PlanOptions,
                        process: ProcessOptions, datamodule: Any, device: torch.device, local_processes: int,
-                       plan: PipelinePlan | None = None) -> Any:
+                       plan: PipelinePlan | None = None, purpose: str = "fit") -> Any:
     """The run's memory plan against what a process may use, refused when some process cannot hold its share (for
     the ``plan`` 's partition, or before planning for the partition that holds the least); the one-file checkpoint is
-    counted unless the format is ``"sharded"`` (``"auto"`` saves sharded where one file would not fit)."""
+    counted unless the format is ``"sharded"`` (``"auto"`` saves sharded where one file would not fit). A run that
+    only evaluates or predicts (``purpose``: :func:`~lightning_mp_lstm.planning.memory.plan_memory`) is planned for
+    its parameters and evaluation batches, and saves nothing."""
     budget, source = process.memory_budget(device, local_processes)
 
     def budget_for(other: ParallelLayout) -> tuple[int | None, str]:
@@ -273,6 +276,8 @@ def plan_memory_of_run(module: torch.nn.Module, blocks: PipelineModel, layout: P
     arguments = (blocks, module, plan.layout if plan else layout, options, datamodule, budget, source, budget_for,
                  [list(stage) for stage in plan.partition] if plan else None)
     shard = layout.data_parallel_size if process.shard_replicas else 1
+    if purpose != "fit":
+        return check_memory(*arguments, shard=shard, purpose=purpose), process.checkpoint_format
     if process.checkpoint_format == "auto":
         try:
             return check_memory(*arguments, one_file_checkpoint=True, shard=shard), "file"

@@ -275,9 +275,10 @@ class MPLSTMStrategy(ParallelStrategy):
                 batch shape and the data module does not say it.
             PartitionError: the partition or ``stage_speeds`` do not fit the model and layout.
             LayoutError: ``n_microbatches`` does not fit the batch, or ``time_chunks`` the shortest bucket.
-            MemoryPlanError: ``fitting`` (and ``memory``) and some process of the layout cannot hold its share of the
-                model, its optimizer state and the largest training batch's activations within ``memory_per_process``
-                (for the partition that holds the least when the partition is measured later).
+            MemoryPlanError: (``memory``) some process of the layout cannot hold its share of the model, its optimizer
+                state and the largest training batch's activations, or of the largest evaluation batch, within
+                ``memory_per_process`` (for the partition that holds the least when the partition is measured later);
+                not ``fitting``: its share of the model and the largest evaluation batch.
         """
         self._run.check(model, datamodule, fitting, memory, self.precision_plugin,
                         self.root_device if self.parallel_devices else None, self.num_processes,
