@@ -194,6 +194,30 @@ def test_verify_false_and_the_librarys_own_model_skip_it_and_a_bad_value_is_name
         MPLSTMStrategy(verify="yes")
 
 
+class _Validated(Wrapped):
+    def validation_step(self, batch, batch_idx):  # the strategy runs the pipeline's own evaluation step
+        return None
+
+
+@pytest.mark.processes
+def test_a_fit_after_a_validation_of_the_same_trainer_says_the_check_is_skipped(caplog):
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, **QUIET)
+    trainer = quiet_trainer(strategy, 1, max_steps=1, limit_val_batches=1)
+    data = TimeFirstStream(VOCAB, steps=1, time_first=False)
+    torch.manual_seed(0)
+    model = _Validated()
+    with caplog.at_level("INFO"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer.validate(model, datamodule=data, verbose=False)
+            trainer.fit(model, datamodule=data)
+        finally:
+            strategy.shutdown()
+    assert strategy.verification is None and model.steps_run == 0  # its own training_step never ran
+    assert "the numerical check of the declaration is skipped: an earlier validate, test or predict of this " \
+        "Trainer built the pipeline; fit first to check it" in caplog.text
+
+
 def _skipped_when_built_on_meta(rank: int, world_size: int) -> tuple[bool, int]:
     strategy = MPLSTMStrategy(pipeline_parallel_size=2, n_microbatches=2, **QUIET)
     trainer = quiet_trainer(strategy, world_size, max_steps=1, limit_val_batches=0)

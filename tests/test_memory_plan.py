@@ -165,6 +165,22 @@ def test_a_run_that_only_evaluates_is_planned_for_its_parameters_and_evaluation_
         strategy.shutdown()
 
 
+def test_a_trainer_that_validates_before_it_fits_plans_its_training_when_it_fits():
+    """A baseline validation first builds the pipeline; the first fit then plans what training holds."""
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, report_after_steps=None, verify=False)
+    trainer, model = quiet_trainer(strategy, 1, max_steps=1), tiny_model(optimizer="adam")
+    try:
+        trainer.validate(model, FixedBatches(), verbose=False)
+        evaluating = strategy.memory.ranks[0]
+        trainer.fit(model, FixedBatches())
+    finally:
+        strategy.shutdown()
+    training = strategy.memory.ranks[0]
+    assert evaluating.gradients == evaluating.optimizer == 0 and evaluating.evaluation > 0
+    assert training.gradients == training.parameters > 0 and training.optimizer == 2 * training.parameters  # Adam
+    assert training.total > evaluating.total
+
+
 class _Unshaped(FixedBatches):
     bucket_lengths = None  # the shape of its batches is not said
 

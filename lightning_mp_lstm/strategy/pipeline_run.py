@@ -71,8 +71,10 @@ class PipelineRun:
         self._engine: PipelineEngine | None = None
         self.module: Any = None  # the module the engine split (pruned to this process's blocks)
         self.rank = 0
-        #: The run's memory plan (planning.memory.MemoryPlan), when fitting planned it and the data gives a batch.
+        #: The run's memory plan (planning.memory.MemoryPlan), when the data gives a batch; planned for training once
+        #: the Trainer fits (``memory_purpose``), for evaluation or prediction alone before that.
         self.memory: Any = None
+        self.memory_purpose: str | None = None
         self.metrics = LanguageModelMetrics()
         self.step_clock = report.StepClock(report_after_steps)
         self.measurements: report.Measurements | None = None
@@ -171,8 +173,16 @@ class PipelineRun:
         """The engine that runs ``module`` (kept when it split this module already): plan once, check the memory plan
         on every process (global rank 0's decision, before any block is materialized), make the verifier, prune
         ``module`` to this process's stages and build the engine that runs them."""
-        if self._engine is None or self.module is not module:
-            fitting = trainer.state.fn == TrainerFn.FITTING
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._engine is not None and self.module is module:
+            if fitting and self.memory_purpose != "fit":  # an evaluation split it: its training is planned now
+                self._plan_memory(module, self._engine.model, trainer.datamodule, device, local_processes,
+                                  trainer.state.fn)
+                own = type(module).__module__.startswith("lightning_mp_lstm.")  # checked by the library's tests
+                if self.verification is None and (self.verify is True or (self.verify == "auto" and not own)):
+                    rank_zero_info("mp_lstm: the numerical check of the declaration is skipped: an earlier validate, "
+                                   "test or predict of this Trainer built the pipeline; fit first to check it")
+        else:
             if fitting:
                 summary.install(trainer, module)  # the whole model's summary, before the engine prunes it
             blocks = self.blocks(module)
@@ -205,6 +215,7 @@ class PipelineRun:
         self.memory, chosen = result_from(0, lambda: plan_memory_of_run(
             module, blocks, self.layout, self.options, self.process, datamodule, device, local_processes, plan,
             purpose=_purpose(fn)))
+        self.memory_purpose = _purpose(fn)
         if fn == TrainerFn.FITTING:
             self.checkpoints = ckpt.checkpoint_format(chosen)
         table = f"\n{self.memory.table() if self.memory is not None else _unplanned(datamodule)}"
