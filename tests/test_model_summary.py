@@ -60,11 +60,13 @@ def test_a_meta_model_is_counted_on_the_cpu_whatever_device_lightning_set_for_it
     assert meta.device == torch.device("cuda", 0)  # the model itself is left as Lightning set it
 
 
-def _fit_pp2(rank: int, world_size: int) -> dict:
+def _fit_pp2(rank: int, world_size: int, validate_first: bool) -> dict:
     warnings.filterwarnings("ignore")
     model = _model()
     strategy = MPLSTMStrategy(pipeline_parallel_size=2, report_after_steps=None, timeout=60)
     trainer = quiet_trainer(strategy, world_size, max_steps=1, enable_model_summary=True)
+    if validate_first:  # a baseline: the validation builds the pipeline, the fit prints the summary
+        trainer.validate(model, datamodule=FixedBatches(), verbose=False)
     trainer.fit(model, datamodule=FixedBatches())
     kinds = [type(c).__name__ for c in trainer.callbacks if isinstance(c, ModelSummary)]
     callback = next(c for c in trainer.callbacks if isinstance(c, PipelineModelSummary))
@@ -78,12 +80,13 @@ def _fit_pp2(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.processes
-def test_under_pp2_rank_0_summarizes_the_whole_model_as_one_process_does():
+@pytest.mark.parametrize("validate_first", [False, True])
+def test_under_pp2_rank_0_summarizes_the_whole_model_as_one_process_does(validate_first):
     one_process = CountingSummary(_model(), max_depth=1)
     expected = (one_process.total_parameters, one_process.trainable_parameters, one_process.total_flops,
                 one_process.layer_names, one_process.param_nums)
     assert expected[0] == sum(p.numel() for p in tiny_model(num_layers=3, vocab=40).parameters())
-    first, second = run_ranks(_fit_pp2, 2, timeout=120)
+    first, second = run_ranks(_fit_pp2, 2, validate_first, timeout=120)
     assert first["kinds"] == second["kinds"] == ["PipelineModelSummary"]  # Lightning's default callback, swapped
     assert first["whole"] == expected and first["rows"] == len(expected[3])
     assert second["whole"] is None  # printed once, by global rank 0

@@ -183,8 +183,9 @@ class PipelineRun:
                     rank_zero_info("mp_lstm: the numerical check of the declaration is skipped: an earlier validate, "
                                    "test or predict of this Trainer built the pipeline; fit first to check it")
         else:
-            if fitting:
-                summary.install(trainer, module)  # the whole model's summary, before the engine prunes it
+            # The whole model's summary, before the engine prunes it (Lightning prints it when a fit starts, a fit
+            # after a validate of this Trainer too).
+            summary.install(trainer, module)
             blocks = self.blocks(module)
             self.rank = rank
             self.metrics = LanguageModelMetrics(getattr(blocks, "log_name", "{split}_{metric}"),
