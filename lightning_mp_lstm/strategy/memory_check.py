@@ -123,14 +123,14 @@ def largest_batch(datamodule: Any, layout: ParallelLayout) -> BatchShape | None:
     if not lengths or not (rows or tokens):
         return None
     longest = max(lengths)
-    held = _held(datamodule, ("train",))
+    train_held, eval_held = _held(datamodule, ("train",)), _held(datamodule, ("valid", "test"))
     train_rows = min(rows or tokens, max(1, tokens // longest)) if tokens else rows
-    train_rows = min(train_rows, held[longest]) if held.get(longest) else train_rows
-    eval_rows, held = getattr(datamodule, "eval_batch_size", None) or rows, _held(datamodule, ("valid", "test"))
+    train_rows = min(train_rows, train_held[longest]) if train_held.get(longest) else train_rows
+    eval_rows = getattr(datamodule, "eval_batch_size", None) or rows
     shapes = []
     for length in lengths:
         count = min(eval_rows or tokens, max(1, tokens // length)) if tokens else eval_rows
-        count = min(count, held.get(length, 0)) if held else count
+        count = min(count, eval_held.get(length, 0)) if eval_held else count
         if count:
             shapes.append((count * length, length, count))
     replicas = layout.data_parallel_size

@@ -38,6 +38,7 @@ from lightning_mp_lstm.strategy.pipeline_setup import (
     check_run,
     check_sharded_precision,
     check_sharded_verify,
+    library_model,
     make_verifier,
     plan_memory_of_run,
     plan_run,
@@ -178,8 +179,8 @@ class PipelineRun:
             if fitting and self.memory_purpose != "fit":  # an evaluation split it: its training is planned now
                 self._plan_memory(module, self._engine.model, trainer.datamodule, device, local_processes,
                                   trainer.state.fn)
-                own = type(module).__module__.startswith("lightning_mp_lstm.")  # checked by the library's tests
-                if self.verification is None and (self.verify is True or (self.verify == "auto" and not own)):
+                checked = self.verify is True or (self.verify == "auto" and not library_model(module))
+                if self.verification is None and checked:
                     rank_zero_info("mp_lstm: the numerical check of the declaration is skipped: an earlier validate, "
                                    "test or predict of this Trainer built the pipeline; fit first to check it")
         else:

@@ -52,8 +52,8 @@ SHARDED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", WAVEFRONT)
 
 __all__ = ["SHARDED_PRECISIONS", "SHARDED_SCHEDULES", "assemble_engine", "check_automatic_optimization",
            "check_callbacks", "check_run", "check_sharded_precision", "check_sharded_verify", "check_sharding",
-           "end_process_groups", "explain_optimizer_error", "make_verifier", "plan_memory_of_run", "plan_run",
-           "replica_rows", "report_not_reproduced", "start_process_groups"]
+           "end_process_groups", "explain_optimizer_error", "library_model", "make_verifier", "plan_memory_of_run",
+           "plan_run", "replica_rows", "report_not_reproduced", "start_process_groups"]
 
 DEFAULT_ROWS = 32  # the batch assumed for planning when the data module does not say its own
 DEFAULT_LENGTH = 35
@@ -384,6 +384,12 @@ def report_not_reproduced(module: torch.nn.Module, blocks: PipelineModel, warn: 
         warnings.warn(render_findings(name, findings), NotReproducedWarning, stacklevel=2)
 
 
+def library_model(module: Any) -> bool:
+    """Whether ``module`` is one of this library's own models (their declared pieces are their training step, which
+    the library's tests check; ``verify="auto"`` leaves them out)."""
+    return type(module).__module__.startswith("lightning_mp_lstm.")
+
+
 def make_verifier(module: torch.nn.Module, blocks: PipelineModel, verify: bool | str, rank_zero: bool,
                   layout: ParallelLayout, memory: Any = None, sharded: bool = False) -> Any:
     """The :class:`~lightning_mp_lstm.strategy.verify.Verifier` of ``module`` 's declaration, made before the pipeline
@@ -415,7 +421,7 @@ def make_verifier(module: torch.nn.Module, blocks: PipelineModel, verify: bool |
     elif any(p.is_meta for p in module.parameters()):
         skip = (f"{name} was built on the meta device (trainer.init_module(empty_init=True)), and no process holds the "
                 "whole model to run its own training_step; build it normally to check the declaration")
-    elif verify == "auto" and type(module).__module__.startswith("lightning_mp_lstm."):
+    elif verify == "auto" and library_model(module):
         skip = (f"{name} is this library's own model, whose declared pieces are its training step (checked by the "
                 "library's tests); verify=True checks it here too")
     elif verify == "auto" and memory is not None and memory.budget is not None:
