@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_mp_lstm.base.faults import gather
 from lightning_mp_lstm.pipeline.gradients import local_tensor
+from lightning_mp_lstm.pipeline.groups import copy_from_first
 from lightning_mp_lstm.planning.layout import ParallelLayout
 
 __all__ = ["TiedWeights", "shared_parameter_aliases"]
@@ -89,9 +90,8 @@ class TiedWeights:
     def copy_first_owners(self) -> None:
         """Give every copy of a tied weight its first owner's values (a process that drew its own initial values, with
         no ``seed_everything``, would otherwise hold another weight than the copy it is tied to)."""
-        with torch.no_grad():
-            for parameter, group in self.shared:
-                dist.broadcast(local_tensor(parameter.detach()), group=group, group_src=0)
+        for parameter, group in self.shared:
+            copy_from_first([local_tensor(parameter)], group)
 
     def all_reduce(self) -> None:
         """Sum each tied weight's gradient over its owners (a copy without a gradient contributes zeros)."""
