@@ -158,7 +158,10 @@ class StageModule(nn.Module):
             # fix from their first batch whether the next stage sends one back, so a stage the user unfreezes later
             # would get none (a leaf here takes the unused gradient).
             x = x.detach().requires_grad_(True)
-        return x.contiguous()
+        x = x.contiguous()
+        # torch's split backward (the zero-bubble schedules) detaches the output a stage sends in place, which a view
+        # refuses: one already contiguous (a batch-first LSTM's output of a one-row microbatch) is copied.
+        return x.clone() if self.sends_output and x.requires_grad and x._is_view() else x
 
     @property
     def recurrent_blocks(self) -> list[nn.Module]:
