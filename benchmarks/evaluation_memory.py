@@ -4,8 +4,9 @@ A user's module whose loss takes a microbatch's whole logits (PyTorch's word_lan
 2-layer LSTM, a linear decoder, ``F.cross_entropy``), trained on ``LMDataModule``'s synthetic corpus with training
 batches of 16 sentences and evaluation batches of 2,048 (``eval_batch_size``): the evaluation batch is what a process
 holds most of. Each case runs ``Trainer.fit`` (3 steps, then the whole validation split), or ``validate`` or
-``predict`` alone on a new Trainer, in processes of its own (Lightning's launcher starts the second rank), and every
-rank reports its ``VmHWM`` and its row of the plan (``MPLSTMStrategy.memory``).
+``predict`` alone on a new Trainer, or a fit and then a predict of the same Trainer (planned again beside what the fit
+still holds), in processes of its own (Lightning's launcher starts the second rank), and every rank reports its
+``VmHWM`` and its row of the plan (``MPLSTMStrategy.memory``; the larger of the two calls' plans).
 
 Goal: the plan within 15 % of every rank's measured peak (where the plan is below, a process could be refused too
 late; above, a layout refused that fits).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-#: name -> (vocabulary asked of the synthetic corpus, hidden size, pipeline processes, the Trainer call).
+#: name -> (vocabulary asked of the synthetic corpus, hidden size, pipeline processes, the Trainer calls in order).
 CASES = {
     "8,636 words, hidden 32, 1 process, fit + validation": (30_000, 32, 1, "fit"),
     "8,636 words, hidden 32, pp2, fit + validation": (30_000, 32, 2, "fit"),
     "8,636 words, hidden 256, pp2, fit + validation": (30_000, 256, 2, "fit"),
     "200 words, hidden 1,024, pp2, fit + validation": (200, 1024, 2, "fit"),
     "8,636 words, hidden 32, pp2, validate alone": (30_000, 32, 2, "validate"),
+    "200 words, hidden 1,024, pp2, validate alone": (200, 1024, 2, "validate"),
     "8,636 words, hidden 32, pp2, predict alone": (30_000, 32, 2, "predict"),
+    "8,636 words, hidden 32, pp2, fit, then predict": (30_000, 32, 2, "fit, predict"),
 }
 EVAL_BATCH, GOAL = 2048, 0.15
 
@@ -92,15 +96,17 @@ def run_case(name: str) -> None:
     trainer = pl.Trainer(strategy=strategy, devices=pp, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, max_steps=3, val_check_interval=3,
                          num_sanity_val_steps=0)
-    if call == "fit":
-        trainer.fit(model, datamodule=data)
-    elif call == "validate":
-        trainer.validate(model, datamodule=data, verbose=False)
-    else:
-        trainer.predict(model, datamodule=data, return_predictions=False)
-    plan = strategy.memory.ranks[trainer.global_rank]
-    print("RESULT " + json.dumps({"rank": trainer.global_rank, "measured_mib": _hwm_mib(),
-                                  "planned_mib": plan.total / 2**20, "words": data.vocab_size}), flush=True)
+    planned = 0.0  # the largest of the calls' plans for this rank
+    for step in call.split(", "):
+        if step == "fit":
+            trainer.fit(model, datamodule=data)
+        elif step == "validate":
+            trainer.validate(model, datamodule=data, verbose=False)
+        else:
+            trainer.predict(model, datamodule=data, return_predictions=False)
+        planned = max(planned, strategy.memory.ranks[trainer.global_rank].total / 2**20)
+    print("RESULT " + json.dumps({"rank": trainer.global_rank, "measured_mib": _hwm_mib(), "planned_mib": planned,
+                                  "words": data.vocab_size}), flush=True)
 
 
 def measure() -> list[dict]:
@@ -109,8 +115,8 @@ def measure() -> list[dict]:
     for name in CASES:
         done = subprocess.run([sys.executable, __file__, "--case", name], cwd=ROOT, capture_output=True, text=True,
                               timeout=600)
-        results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines()
-                   if line.startswith("RESULT ")]
+        # The ranks share the output: one rank's line may run into the other's.
+        results = [json.loads(found) for found in re.findall(r"RESULT (\{[^{}]*\})", done.stdout)]
         if done.returncode != 0 or not results:
             raise RuntimeError(f"{name}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         for result in sorted(results, key=lambda r: r["rank"]):

@@ -55,7 +55,7 @@ def test_the_stage_cache_keeps_the_most_recently_used_shapes_only(monkeypatch):
     """Each cached stage holds its microbatches' receive buffers (GPU memory on a GPU); ragged batches, token budgets
     and three modes would otherwise add one per distinct shape for the whole run."""
     engine = PipelineEngine.__new__(PipelineEngine)  # only the cache: no model, no process group
-    engine.__dict__.update(max_cached_shapes=3, _schedules=OrderedDict())
+    engine.__dict__.update(max_cached_shapes=3, _schedules=OrderedDict(), _holding=None)
     built = []
     monkeypatch.setattr(engine, "_build_schedule", lambda with_loss, **shape: built.append(with_loss) or object(),
                         raising=False)

@@ -7,25 +7,39 @@ How close the prediction comes to measured peaks is a benchmark (``benchmarks/wt
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import warnings
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
-from lightning_mp_lstm import LSTMLanguageModel, MPLSTMStrategy
+from lightning_mp_lstm import LSTMBlocks, LSTMLanguageModel, MPLSTMStrategy
 from lightning_mp_lstm.models.binding import pipeline_model
+from lightning_mp_lstm.models.lstm_language_model import token_loss_sum
 from lightning_mp_lstm.planning.layout import ParallelLayout
 from lightning_mp_lstm.planning.memory import BatchShape, MemoryPlanError, ModelMemory, plan_memory, process_floor
 from lightning_mp_lstm.strategy.memory_check import largest_batch, optimizer_state_factor
 from lightning_mp_lstm.strategy.options import ProcessOptions
 from lightning_mp_lstm.strategy.pipeline_setup import plan_memory_of_run
-from tests.helpers import ROOT, FixedBatches, quiet_trainer, run_ranks, tiny_model
+from tests.helpers import (
+    ROOT,
+    VOCAB,
+    FixedBatches,
+    cpu_engine,
+    lm_batches,
+    quiet_trainer,
+    rel_error,
+    run_ranks,
+    tiny_model,
+)
 
 MIB = 2**20
 
@@ -143,6 +157,61 @@ def test_no_step_keeps_its_outputs_once_it_is_done():
     assert all(not stage.fwd_cache and not stage.output_chunks for stage in stages)
 
 
+def _buffers_worker(rank: int, world_size: int, config: dict) -> dict:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        layout = ParallelLayout(**config)
+        module = tiny_model(num_layers=3, loss_chunk_tokens=4)
+        reference = copy.deepcopy(module)
+        engine = cpu_engine(module, layout, rank)
+        worst = 0.0
+        for inputs, targets in lm_batches(8, (5, 9, 5, 9)):  # each shape runs again after the other ran
+            module.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+            result = engine.forward_backward((inputs, targets))
+            engine.reduce_gradients(module.parameters())
+            expected = token_loss_sum(reference(inputs)[0], targets) / (targets != 0).sum()
+            expected.backward()
+            grads = {name: p.grad for name, p in reference.named_parameters()}
+            worst = max(worst, rel_error(result.loss, expected.detach()),
+                        *(rel_error(p.grad, grads[name]) for name, p in module.named_parameters()))
+        inputs, targets = lm_batches(8, (6,))[0]
+        with torch.no_grad():
+            evaluated = engine.evaluate((inputs, targets)).loss
+            expected = token_loss_sum(reference(inputs)[0], targets) / (targets != 0).sum()
+        worst = max(worst, rel_error(evaluated, expected))
+        buffers = {}  # each schedule's receive buffers' devices (none for the wavefront loop evaluation runs in)
+        for key, schedule in engine._schedules.items():
+            stages = [stage for stage in getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+                      if stage is not None]
+            buffers[key] = [info.buffer.device.type for stage in stages
+                            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+                            for info in infos if not info.is_root_arg and info.buffer is not None]
+    finally:
+        dist.destroy_process_group()
+    return {"worst": worst, "buffers": buffers}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.processes
+@pytest.mark.parametrize("config", [dict(pipeline_parallel_size=2, schedule="1F1B", n_microbatches=2),
+                                    dict(pipeline_parallel_size=2, stages_per_rank=2, schedule="ZBVZeroBubble",
+                                         n_microbatches=4)], ids=["1F1B", "ZBVZeroBubble"])
+def test_only_the_schedule_in_use_holds_its_receive_buffers(config):
+    """torch's stages keep a buffer per microbatch for what they receive, for their life; a schedule per batch shape
+    would hold them for every shape run. A schedule that runs again after another receives into new buffers, and its
+    results stay those of one process."""
+    results = run_ranks(_buffers_worker, 2, config, timeout=100)
+    for rank, result in enumerate(results):
+        assert result["worst"] < 1e-5, (rank, result)
+        buffers = result["buffers"]
+        assert set(buffers) == {(8, 5, "train"), (8, 9, "train"), (8, 6, "eval")}
+        assert all(buffers[key] and set(buffers[key]) == {"meta"} for key in [(8, 5, "train"), (8, 9, "train")])
+        assert set(buffers[8, 6, "eval"]) <= {"cpu"}  # the schedule that ran last
+    if config["schedule"] == "1F1B":
+        assert len(results[1]["buffers"][8, 6, "eval"]) == 2  # rank 1 receives each microbatch's activations
+
+
 def test_a_run_that_only_evaluates_is_planned_for_its_parameters_and_evaluation_batches():
     data = FixedBatches()
     data.eval_batch_size = 64
@@ -179,6 +248,54 @@ def test_a_trainer_that_validates_before_it_fits_plans_its_training_when_it_fits
     assert evaluating.gradients == evaluating.optimizer == 0 and evaluating.evaluation > 0
     assert training.gradients == training.parameters > 0 and training.optimizer == 2 * training.parameters  # Adam
     assert training.total > evaluating.total
+
+
+class _WholeLogits(pl.LightningModule):
+    """A user's module whose loss takes a microbatch's whole logits (word_language_model style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder, self.rnn = torch.nn.Embedding(VOCAB, 6), torch.nn.LSTM(6, 8, 2, batch_first=True)
+        self.decoder = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.rnn(self.encoder(tokens))[0])
+
+    def lm_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=0)
+
+    def training_step(self, batch, batch_idx):
+        return self.lm_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
+
+    def configure_pipeline(self):
+        return LSTMBlocks(embedding="encoder", lstm="rnn", decoder="decoder", loss="lm_loss")
+
+
+def test_a_prediction_after_a_fit_is_planned_beside_what_the_fit_still_holds():
+    """A fit's plan counts its validation; a predict of the same Trainer merges every microbatch's logits while the
+    gradients and optimizer state are still held: it is planned again, not left to the fit's plan."""
+    strategy, alone = (MPLSTMStrategy(pipeline_parallel_size=1, n_microbatches=2, report_after_steps=None,
+                                      verify=False) for _ in range(2))
+    trainer, model = quiet_trainer(strategy, 1, max_steps=1), _WholeLogits()
+    try:
+        trainer.fit(model, FixedBatches())
+        training = strategy.memory.ranks[0]
+        trainer.predict(model, FixedBatches(), return_predictions=False)
+        quiet_trainer(alone, 1).predict(_WholeLogits(), FixedBatches(), return_predictions=False)
+    finally:
+        strategy.shutdown()
+        alone.shutdown()
+    predicting, predicting_alone = strategy.memory.ranks[0], alone.memory.ranks[0]
+    assert (predicting.gradients, predicting.optimizer) == (training.gradients, training.optimizer)
+    assert predicting.optimizer == 2 * predicting.gradients > 0  # Adam's two moments
+    assert predicting.evaluation == predicting_alone.evaluation > training.evaluation  # the merged logits
+    assert predicting.total == predicting.evaluating  # nothing of a training step runs
+    held, held_alone = predicting.total - predicting.floor, predicting_alone.total - predicting_alone.floor
+    assert held == held_alone + 3 * predicting.gradients
 
 
 class _Unshaped(FixedBatches):

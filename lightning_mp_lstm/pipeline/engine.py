@@ -4,10 +4,9 @@
 makes its stages and the :class:`PipelineEngine` that runs them. The engine keeps one ``PipelineStage`` + schedule
 per batch shape (a stage sizes its receive buffers at its first step: MXNet's "one executor per bucket"; for
 ``schedule="Wavefront"`` a :class:`~lightning_mp_lstm.pipeline.wavefront.WavefrontSchedule`), at most
-``max_cached_shapes`` of them, normalizes the loss by the global batch's token count, sums gradients over replicas
-(during the backward pass where it can: :mod:`~lightning_mp_lstm.pipeline.replica_sums`) and tied copies, and clips
-them by the global norm. The training loop (the ``mp_lstm`` strategy, or any other) owns the engine and calls it;
-the model never holds it.
+``max_cached_shapes``, normalizes the loss by the global batch's token count, sums gradients over replicas (during the
+backward pass where it can: :mod:`~lightning_mp_lstm.pipeline.replica_sums`) and tied copies, and clips them by the
+global norm. The training loop (the ``mp_lstm`` strategy, or any other) owns the engine and calls it; no model does.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from lightning_mp_lstm.pipeline.groups import shared as _shared
 from lightning_mp_lstm.pipeline.norm_exchange import NormExchange
 from lightning_mp_lstm.pipeline.replica_sums import ReplicaSums, sum_the_rest
 from lightning_mp_lstm.pipeline.sharding import largest_share, reshard
-from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness, release_step
+from lightning_mp_lstm.pipeline.stages import Stage, StageModule, StageRandomness, hold_receive_buffers, release_step
 from lightning_mp_lstm.pipeline.tied import TiedWeights
 from lightning_mp_lstm.pipeline.transport import posts_receives_ahead
 from lightning_mp_lstm.pipeline.wavefront import WavefrontSchedule
@@ -113,7 +112,7 @@ class PipelineEngine:
         device: this process's device.
         tied: the tied weights this process holds a copy of.
         max_cached_shapes: the most stages + schedules kept (one per batch shape and mode); the least recently
-            used is dropped, with the receive buffers it holds.
+            used is dropped. Only the schedule in use holds its receive buffers (:func:`hold_receive_buffers`).
         data_parallel_rank: this process's replica.
         term_stages: the stages that compute pieces of the loss (default: the last; a penalty adds its stage).
 
@@ -138,6 +137,7 @@ class PipelineEngine:
         self.tied = tied
         self.max_cached_shapes = max_cached_shapes
         self._schedules: OrderedDict[tuple[int, int, str], Any] = OrderedDict()
+        self._holding: Any = None  # the schedule whose stages hold their receive buffers (the last run)
         #: The names of the loss terms the model reports, agreed by every rank at its first batch of each mode.
         self._term_names: dict[str, list[str]] = {}
         #: The global token count of the last batch run.
@@ -419,6 +419,7 @@ class PipelineEngine:
             while len(self._schedules) > self.max_cached_shapes:
                 self._schedules.popitem(last=False)
         self._schedules.move_to_end(key)
+        self._holding = hold_receive_buffers(schedule, self._holding)
         return schedule
 
     def _build_schedule(self, mode: str, rows: int, length: int) -> Any:

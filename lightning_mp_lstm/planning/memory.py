@@ -31,6 +31,8 @@ __all__ = ["BatchShape", "MemoryPlanError", "MemoryPlan", "ModelMemory", "RankMe
            "fitting_layouts", "in_flight_microbatches", "memory_partition", "plan_memory", "process_floor"]
 
 MIB, GIB = 2**20, 2**30
+#: The purposes (:func:`plan_memory`) whose evaluation batches are predictions: every microbatch's logits merged.
+_PREDICTING = ("predict", "predict_after_fit")
 
 
 class MemoryPlanError(ValueError):
@@ -187,7 +189,8 @@ def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[
             ``shard_replicas``): ``1/shard`` of each is held, plus what a step gathers whole (:func:`_gathered`).
         purpose: ``"fit"``: the run trains (and evaluates); ``"evaluate"`` or ``"predict"``: it only evaluates or
             predicts (``validate``, ``test`` or ``predict`` on a new Trainer), and its processes hold the parameters
-            and the evaluation batch's working set, nothing else.
+            and the evaluation batch's working set, nothing else; ``"predict_after_fit"``: a Trainer that has fitted
+            predicts, its processes still holding the fit's gradients and optimizer state.
     """
     tp = layout.tensor_parallel_size
     embedding, decoder = model.block_names[0], model.block_names[-1]
@@ -217,9 +220,12 @@ def plan_memory(model: ModelMemory, layout: ParallelLayout, partition: Sequence[
             gathered = _gathered(model, blocks, layout.n_microbatches)
             gradients += gathered if layout.n_microbatches > 1 else 0
         evaluation = (evaluation_bytes(model, layout, [partition[s] for s in sorted(stages)], batch.evaluation,
-                                       predicting=purpose == "predict") if batch.evaluation is not None else 0)
-        if purpose != "fit":
-            ranks.append(RankMemory(pipeline_rank, tuple(blocks), floor, int(held + gathered), 0, 0, 0, 0,
+                                       predicting=purpose in _PREDICTING) if batch.evaluation is not None else 0)
+        if purpose != "fit":  # no training step: the fit's gradients and optimizer state at most
+            trained = purpose == "predict_after_fit"
+            ranks.append(RankMemory(pipeline_rank, tuple(blocks), floor, int(held + gathered),
+                                    int(gradients) if trained else 0,
+                                    int(held * model.optimizer_factor) if trained else 0, 0, 0,
                                     evaluation=evaluation))
             continue
         ranks.append(RankMemory(pipeline_rank, tuple(blocks), floor, int(held + gathered), int(gradients),

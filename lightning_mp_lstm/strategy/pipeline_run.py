@@ -73,7 +73,8 @@ class PipelineRun:
         self.module: Any = None  # the module the engine split (pruned to this process's blocks)
         self.rank = 0
         #: The run's memory plan (planning.memory.MemoryPlan), when the data gives a batch; planned for training once
-        #: the Trainer fits (``memory_purpose``), for evaluation or prediction alone before that.
+        #: the Trainer fits (``memory_purpose``), for evaluation or prediction alone before that, and for a
+        #: prediction beside the fit's gradients and optimizer state after it.
         self.memory: Any = None
         self.memory_purpose: str | None = None
         self.metrics = LanguageModelMetrics()
@@ -174,11 +175,13 @@ class PipelineRun:
         """The engine that runs ``module`` (kept when it split this module already): plan once, check the memory plan
         on every process (global rank 0's decision, before any block is materialized), make the verifier, prune
         ``module`` to this process's stages and build the engine that runs them."""
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        fitting, purpose = trainer.state.fn == TrainerFn.FITTING, _purpose(trainer.state.fn)
         if self._engine is not None and self.module is module:
-            if fitting and self.memory_purpose != "fit":  # an evaluation split it: its training is planned now
+            if purpose == "predict" and self.memory_purpose == "fit":  # beside what the fit still holds
                 self._plan_memory(module, self._engine.model, trainer.datamodule, device, local_processes,
-                                  trainer.state.fn)
+                                  "predict_after_fit")
+            if fitting and self.memory_purpose != "fit":  # an evaluation split it: its training is planned now
+                self._plan_memory(module, self._engine.model, trainer.datamodule, device, local_processes, purpose)
                 checked = self.verify is True or (self.verify == "auto" and not library_model(module))
                 if self.verification is None and checked:
                     rank_zero_info("mp_lstm: the numerical check of the declaration is skipped: an earlier validate, "
@@ -193,7 +196,7 @@ class PipelineRun:
                                                 getattr(blocks, "reduction", "token_mean"))
             if self._plan is None:
                 self._plan = plan_run(blocks, self.layout, self.options, trainer.datamodule, precision, device)
-                self._plan_memory(module, blocks, trainer.datamodule, device, local_processes, trainer.state.fn)
+                self._plan_memory(module, blocks, trainer.datamodule, device, local_processes, purpose)
             if self.model_names.state_keys is None:  # the whole model, before pruning
                 self.model_names = ckpt.ModelNames.of(module)
             if fitting and self.verifier is None:
@@ -210,15 +213,16 @@ class PipelineRun:
         return self._engine
 
     def _plan_memory(self, module: Any, blocks: PipelineModel, datamodule: Any, device: torch.device,
-                     local_processes: int, fn: TrainerFn) -> None:
-        """Every rank takes global rank 0's memory plan (a refusal fails every rank at once); fitting,
+                     local_processes: int, purpose: str) -> None:
+        """Every rank takes global rank 0's memory plan for ``purpose``
+        (:func:`~lightning_mp_lstm.planning.memory.plan_memory`; a refusal fails every rank at once); fitting,
         ``checkpoint_format="auto"`` becomes one file or sharded here. The plan is printed with it."""
         plan = self.plan
         self.memory, chosen = result_from(0, lambda: plan_memory_of_run(
             module, blocks, self.layout, self.options, self.process, datamodule, device, local_processes, plan,
-            purpose=_purpose(fn)))
-        self.memory_purpose = _purpose(fn)
-        if fn == TrainerFn.FITTING:
+            purpose=purpose))
+        self.memory_purpose = purpose
+        if purpose == "fit":
             self.checkpoints = ckpt.checkpoint_format(chosen)
         table = f"\n{self.memory.table() if self.memory is not None else _unplanned(datamodule)}"
         rank_zero_info(f"mp_lstm: {plan.layout}\npartition (costs by {plan.cost_kind}):\n{self.report}{table}")

@@ -470,8 +470,8 @@ class MPLSTMStrategy(ParallelStrategy):
     @property
     def memory(self) -> Any:
         """The run's memory plan (:class:`~lightning_mp_lstm.planning.memory.MemoryPlan`: every process's predicted
-        peak by what holds it, and the budget), once fitting has planned it; ``None`` before, or when the data does
-        not give its batch shape."""
+        peak by what holds it, and the budget) of the Trainer's latest call that planned one (a fit, a call before
+        any fit, or a predict after a fit); ``None`` before, or when the data does not give its batch shape."""
         return self._run.memory
 
     def memory_budget(self, device: torch.device, processes: int) -> tuple[int | None, str]:
