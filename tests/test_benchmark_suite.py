@@ -69,7 +69,8 @@ def test_pipeline_bound_rows_are_measured(quick):
         assert math.isclose(row["isolated_bound_s"],
                             (row["m"] - 1) * max(row["isolated_stage_s"]) + sum(row["isolated_stage_s"]))
         assert _finite_positive(row["ratio"]) and _finite_positive(row["measured_s"])
-        assert row["compute_end_s"] <= row["measured_s"] * 1.5
+        # The schedule's compute ends inside its own recorded step (a timed ratio against another step flaked here).
+        assert row["compute_end_s"] <= row["recorded_s"]
         assert 0 < row["bubble_predicted"] < 1
         # The hand-written loop ran beside it (CPU) and is held against the same bound.
         assert _finite_positive(row["bare_step_s"]) and _finite_positive(row["recorded_s"])

@@ -303,18 +303,34 @@ class _Unshaped(FixedBatches):
 
 
 @pytest.mark.parametrize("data", [FixedBatches, _Unshaped])
-def test_a_run_says_whether_its_memory_is_planned(caplog, data):
+def test_a_run_says_how_its_memory_is_planned(caplog, data):
+    """From the data's shapes before the first batch; from the first batch where the data does not say them."""
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, report_after_steps=None, verify=False)
     with caplog.at_level("INFO"):
         try:
             quiet_trainer(strategy, 1, max_steps=1).fit(tiny_model(), data())
         finally:
             strategy.shutdown()
+    rank = strategy.memory.ranks[0]
+    assert rank.activations > 0 and rank.evaluation > 0
     if data is FixedBatches:
-        assert strategy.memory is not None and "memory per process (MiB, predicted peak" in caplog.text
+        assert "memory per process (MiB, predicted peak" in caplog.text and "first training batch" not in caplog.text
     else:
-        assert strategy.memory is None and "memory per process: not planned: _Unshaped does not say its batches' " \
-            "shape (batch_size and bucket_lengths" in caplog.text
+        assert "memory per process: planned from the first training batch: a larger batch later is found only by " \
+            "running it (_Unshaped does not say its batches' shape: batch_size and bucket_lengths" in caplog.text
+        assert "mp_lstm: memory planned from the first training batch (8 x 5 tokens" in caplog.text
+
+
+def test_a_first_batch_that_cannot_fit_is_refused_before_it_runs():
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, memory_per_process=0.01, report_after_steps=None,
+                              verify=False)
+    trainer = quiet_trainer(strategy, 1, max_steps=1)
+    try:
+        with pytest.raises(MemoryPlanError, match=r"0\.01 GiB a process may use"):
+            trainer.fit(tiny_model(), _Unshaped())
+    finally:
+        strategy.shutdown()
+    assert trainer.global_step == 0
 
 
 def test_sharded_replicas_hold_their_share_and_what_a_step_gathers_whole():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -77,6 +78,8 @@ class PipelineRun:
         #: prediction beside the fit's gradients and optimizer state after it.
         self.memory: Any = None
         self.memory_purpose: str | None = None
+        #: A fit whose data does not say its batches' shape: its device and local processes, until its first batch.
+        self._plan_at_first_batch: tuple[torch.device, int] | None = None
         self.metrics = LanguageModelMetrics()
         self.step_clock = report.StepClock(report_after_steps)
         self.measurements: report.Measurements | None = None
@@ -224,8 +227,25 @@ class PipelineRun:
         self.memory_purpose = purpose
         if purpose == "fit":
             self.checkpoints = ckpt.checkpoint_format(chosen)
-        table = f"\n{self.memory.table() if self.memory is not None else _unplanned(datamodule)}"
+            self._plan_at_first_batch = (device, local_processes) if self.memory is None else None
+        table = f"\n{self.memory.table() if self.memory is not None else _unplanned(datamodule, purpose)}"
         rank_zero_info(f"mp_lstm: {plan.layout}\npartition (costs by {plan.cost_kind}):\n{self.report}{table}")
+
+    def _plan_memory_from(self, module: Any, batch: Any) -> None:
+        """Plan a fit whose data does not say its batches' shape from its first batch (global rank 0's), evaluation
+        batches taken to be of that shape: refused there, before the batch runs, where a process cannot hold it."""
+        (device, local_processes), self._plan_at_first_batch = self._plan_at_first_batch, None
+        prepare = getattr(self.engine.model, "prepare_batch", None)
+        inputs = prepare(batch)[0] if prepare is not None else batch[0]
+        rows, length = int(inputs.shape[0]), int(inputs.shape[1])
+        replicas = 1 if self.engine.global_batches else self.layout.data_parallel_size  # rows of every replica
+        shape = SimpleNamespace(batch_size=rows * replicas, bucket_lengths=[length])
+        self.memory, chosen = result_from(0, lambda: plan_memory_of_run(
+            module, self.engine.model, self.layout, self.options, self.process, shape, device, local_processes,
+            self.plan))
+        self.checkpoints = ckpt.checkpoint_format(chosen)
+        rank_zero_info(f"mp_lstm: memory planned from the first training batch ({rows} x {length} tokens; "
+                       f"evaluation batches taken to be of that shape):\n{self.memory.table()}")
 
     # ----- steps ----------------------------------------------------------------------------------------
     def train(self, module: Any, batch: Any, batch_idx: int, precision: PipelinePrecision) -> Tensor:
@@ -257,6 +277,8 @@ class PipelineRun:
             self._check_same_batch(batch, f"the first batch of epoch {module.trainer.current_epoch}")
             self.engine.reset_state("train")
             self.metrics.start_epoch()
+        if self._plan_at_first_batch is not None:
+            self._plan_memory_from(module, batch)
         if self.verifier is not None and not self.verifier.done:
             self._verify(module, batch, precision, device)
         self.step_clock.tick(batch)
@@ -298,12 +320,15 @@ def _purpose(fn: TrainerFn) -> str:
     return {TrainerFn.FITTING: "fit", TrainerFn.PREDICTING: "predict"}.get(fn, "evaluate")
 
 
-def _unplanned(datamodule: Any) -> str:
-    """Why a run has no memory plan: its data does not say its batches' shape."""
-    source = type(datamodule).__name__ if datamodule is not None else "the dataloaders given to fit"
-    return (f"memory per process: not planned: {source} does not say its batches' shape (batch_size and "
-            "bucket_lengths, as LMDataModule gives them: lightning_mp_lstm.models.contract.PipelineData), so a batch "
-            "too large for a process is found only by running it")
+def _unplanned(datamodule: Any, purpose: str) -> str:
+    """Why a run has no memory plan yet: its data does not say its batches' shape."""
+    source = (f"{type(datamodule).__name__} does not say its" if datamodule is not None else
+              "the dataloaders given to the Trainer do not say their")
+    then = ("planned from the first training batch: a larger batch later" if purpose == "fit" else
+            "not planned: a batch too large for a process")
+    return (f"memory per process: {then} is found only by running it ({source} batches' shape: "
+            "batch_size and bucket_lengths, as LMDataModule gives them: "
+            "lightning_mp_lstm.models.contract.PipelineData)")
 
 
 def _sizes(layout: ParallelLayout) -> str:
