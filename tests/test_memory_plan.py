@@ -304,21 +304,42 @@ class _Unshaped(FixedBatches):
 
 @pytest.mark.parametrize("data", [FixedBatches, _Unshaped])
 def test_a_run_says_how_its_memory_is_planned(caplog, data):
-    """From the data's shapes before the first batch; from the first batch where the data does not say them."""
+    """From the data's shapes before the first batch; where the data does not say them, from the first batch of each
+    kind (the sanity check's validation batch first: no gradient or optimizer state yet), before it runs."""
     strategy = MPLSTMStrategy(pipeline_parallel_size=1, report_after_steps=None, verify=False)
     with caplog.at_level("INFO"):
         try:
-            quiet_trainer(strategy, 1, max_steps=1).fit(tiny_model(), data())
+            quiet_trainer(strategy, 1, max_steps=1, num_sanity_val_steps=1).fit(tiny_model(), data())
         finally:
             strategy.shutdown()
     rank = strategy.memory.ranks[0]
-    assert rank.activations > 0 and rank.evaluation > 0
+    assert rank.activations > 0 and rank.gradients > 0 and rank.evaluation > 0
     if data is FixedBatches:
-        assert "memory per process (MiB, predicted peak" in caplog.text and "first training batch" not in caplog.text
-    else:
-        assert "memory per process: planned from the first training batch: a larger batch later is found only by " \
-            "running it (_Unshaped does not say its batches' shape: batch_size and bucket_lengths" in caplog.text
-        assert "mp_lstm: memory planned from the first training batch (8 x 5 tokens" in caplog.text
+        assert "memory per process (MiB, predicted peak" in caplog.text and "first batches" not in caplog.text
+        return
+    assert "memory per process: planned from the first batches: a larger batch later is found only by running it " \
+        "(_Unshaped does not say its batches' shape: batch_size and bucket_lengths" in caplog.text
+    lines = [line for line in caplog.text.splitlines() if "memory planned from the first batches" in line]
+    assert [line.split("rows per replica x tokens: ")[1] for line in lines] == [
+        "evaluation 8 x 6):", "training 8 x 5; evaluation 8 x 6):"]
+
+
+def test_unshaped_data_is_planned_at_the_first_batch_of_a_validation_and_from_the_batches_seen_after_a_fit():
+    strategy = MPLSTMStrategy(pipeline_parallel_size=1, report_after_steps=None, verify=False)
+    try:
+        quiet_trainer(strategy, 1).validate(tiny_model(), _Unshaped(), verbose=False)
+        validating = strategy.memory.ranks[0]
+        fitting = MPLSTMStrategy(pipeline_parallel_size=1, report_after_steps=None, verify=False)
+        trainer, model = quiet_trainer(fitting, 1, max_steps=1), tiny_model()
+        trainer.fit(model, _Unshaped())
+        trainer.predict(model, _Unshaped(), return_predictions=False)  # planned before its first batch runs
+    finally:
+        strategy.shutdown()
+        fitting.shutdown()
+    assert validating.evaluation > 0 and validating.gradients == validating.optimizer == validating.activations == 0
+    predicting = fitting.memory.ranks[0]
+    assert fitting._run.memory_purpose == "predict_after_fit" and predicting.gradients > 0
+    assert predicting.evaluation > 0 and predicting.activations == 0
 
 
 def test_a_first_batch_that_cannot_fit_is_refused_before_it_runs():

@@ -187,7 +187,8 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
     Args:
         blocks, module: the model's pipeline view and the module.
         layout, options: the resolved layout and the partition options.
-        datamodule: gives the largest training batch (nothing is checked when it does not).
+        datamodule: gives the largest training batch (nothing is checked when it does not); or the batches
+            themselves (a ``BatchShape``: those a run whose data does not say them has seen).
         budget, source: bytes a process may use, and where that comes from (``None``: not checked).
         budget_for: the budget of another layout (for the layouts a refusal suggests).
         partition: the plan's partition; ``None``: the options' own when it needs no costs, else the partition
@@ -199,7 +200,7 @@ def check_memory(blocks: PipelineModel, module: nn.Module, layout: ParallelLayou
     Raises:
         MemoryPlanError: naming the layout, the fullest process, the budget, the table and the layouts that fit.
     """
-    batch = largest_batch(datamodule, layout)
+    batch = datamodule if isinstance(datamodule, BatchShape) else largest_batch(datamodule, layout)
     if batch is None:
         return None
     model = model_memory(blocks, module)

@@ -9,10 +9,10 @@ schedule. It knows the Trainer only through the module and the arguments the str
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from lightning_mp_lstm.models.metrics import LanguageModelMetrics
 from lightning_mp_lstm.pipeline.engine import PipelineEngine
 from lightning_mp_lstm.planning import report
 from lightning_mp_lstm.planning.layout import ParallelLayout
+from lightning_mp_lstm.planning.memory import BatchShape
 from lightning_mp_lstm.planning.plan import PipelinePlan, PlanOptions
 from lightning_mp_lstm.strategy import summary
 from lightning_mp_lstm.strategy.batches import check_same_batch
@@ -78,8 +79,10 @@ class PipelineRun:
         #: prediction beside the fit's gradients and optimizer state after it.
         self.memory: Any = None
         self.memory_purpose: str | None = None
-        #: A fit whose data does not say its batches' shape: its device and local processes, until its first batch.
-        self._plan_at_first_batch: tuple[torch.device, int] | None = None
+        #: A run whose data does not say its batches' shape: its device and local processes (planned from the first
+        #: batch of each kind, ``_seen``: "train" or "eval" -> rows per replica and length).
+        self._unsaid: tuple[torch.device, int] | None = None
+        self._seen: dict[str, tuple[int, int]] = {}
         self.metrics = LanguageModelMetrics()
         self.step_clock = report.StepClock(report_after_steps)
         self.measurements: report.Measurements | None = None
@@ -219,33 +222,53 @@ class PipelineRun:
                      local_processes: int, purpose: str) -> None:
         """Every rank takes global rank 0's memory plan for ``purpose``
         (:func:`~lightning_mp_lstm.planning.memory.plan_memory`; a refusal fails every rank at once); fitting,
-        ``checkpoint_format="auto"`` becomes one file or sharded here. The plan is printed with it."""
+        ``checkpoint_format="auto"`` becomes one file or sharded here. The plan is printed with it. Data that does
+        not say its batches' shape is planned from the batches seen (:meth:`see_batch`)."""
+        self.memory_purpose, self._unsaid = purpose, None
+        self._plan_from(module, blocks, datamodule, device, local_processes)
+        table = self.memory.table() if self.memory is not None else _unplanned(datamodule)
+        if self.memory is None:
+            self._unsaid = (device, local_processes)
+            if self._seen:  # an earlier call of this Trainer ran batches
+                self._plan_from(module, blocks, self._seen_shape(), device, local_processes)
+                table = f"{self._seen_line()}\n{self.memory.table()}"
         plan = self.plan
+        rank_zero_info(f"mp_lstm: {plan.layout}\npartition (costs by {plan.cost_kind}):\n{self.report}\n{table}")
+
+    def _plan_from(self, module: Any, blocks: PipelineModel, source: Any, device: torch.device,
+                   local_processes: int) -> None:
+        purpose = self.memory_purpose or "fit"
+        if purpose == "fit" and isinstance(source, BatchShape) and "train" not in self._seen:
+            purpose = "evaluate"  # a fit's sanity-check validation: no gradient or optimizer state yet
         self.memory, chosen = result_from(0, lambda: plan_memory_of_run(
-            module, blocks, self.layout, self.options, self.process, datamodule, device, local_processes, plan,
+            module, blocks, self.layout, self.options, self.process, source, device, local_processes, self.plan,
             purpose=purpose))
-        self.memory_purpose = purpose
         if purpose == "fit":
             self.checkpoints = ckpt.checkpoint_format(chosen)
-            self._plan_at_first_batch = (device, local_processes) if self.memory is None else None
-        table = f"\n{self.memory.table() if self.memory is not None else _unplanned(datamodule, purpose)}"
-        rank_zero_info(f"mp_lstm: {plan.layout}\npartition (costs by {plan.cost_kind}):\n{self.report}{table}")
 
-    def _plan_memory_from(self, module: Any, batch: Any) -> None:
-        """Plan a fit whose data does not say its batches' shape from its first batch (global rank 0's), evaluation
-        batches taken to be of that shape: refused there, before the batch runs, where a process cannot hold it."""
-        (device, local_processes), self._plan_at_first_batch = self._plan_at_first_batch, None
+    def see_batch(self, module: Any, batch: Any, kind: str) -> None:
+        """Where the data does not say its batches' shape, plan from the first batch of each ``kind`` (``"train"``, or
+        ``"eval"`` for validation, test and prediction; global rank 0's), evaluation batches taken to be of the
+        training batch's shape until one is seen: refused there, before the batch runs, where a process cannot hold
+        it."""
+        if self._unsaid is None or kind in self._seen:
+            return
         prepare = getattr(self.engine.model, "prepare_batch", None)
         inputs = prepare(batch)[0] if prepare is not None else batch[0]
-        rows, length = int(inputs.shape[0]), int(inputs.shape[1])
-        replicas = 1 if self.engine.global_batches else self.layout.data_parallel_size  # rows of every replica
-        shape = SimpleNamespace(batch_size=rows * replicas, bucket_lengths=[length])
-        self.memory, chosen = result_from(0, lambda: plan_memory_of_run(
-            module, self.engine.model, self.layout, self.options, self.process, shape, device, local_processes,
-            self.plan))
-        self.checkpoints = ckpt.checkpoint_format(chosen)
-        rank_zero_info(f"mp_lstm: memory planned from the first training batch ({rows} x {length} tokens; "
-                       f"evaluation batches taken to be of that shape):\n{self.memory.table()}")
+        replicas = self.layout.data_parallel_size if self.engine.global_batches else 1  # a share, or the whole
+        self._seen[kind] = (math.ceil(int(inputs.shape[0]) / replicas), int(inputs.shape[1]))
+        self._plan_from(module, self.engine.model, self._seen_shape(), *self._unsaid)
+        rank_zero_info(f"{self._seen_line()}\n{self.memory.table()}")
+
+    def _seen_shape(self) -> BatchShape:
+        train = self._seen.get("train") or self._seen["eval"]
+        return BatchShape(*train, BatchShape(*(self._seen.get("eval") or train)))
+
+    def _seen_line(self) -> str:
+        seen = "; ".join(f"{'training' if kind == 'train' else 'evaluation'} {rows} x {length}"
+                         for kind, (rows, length) in sorted(self._seen.items(), reverse=True))
+        rest = "" if "eval" in self._seen else "; evaluation batches taken to be of that shape"
+        return f"mp_lstm: memory planned from the first batches (rows per replica x tokens: {seen}{rest}):"
 
     # ----- steps ----------------------------------------------------------------------------------------
     def train(self, module: Any, batch: Any, batch_idx: int, precision: PipelinePrecision) -> Tensor:
@@ -264,6 +287,7 @@ class PipelineRun:
         """The loss of a validation or test batch (no gradients), logged under ``split``."""
         if batch_idx == 0:
             self._check_same_batch(batch, f"the first {split} batch")
+        self.see_batch(module, batch, "eval")
         with context:
             result = self.engine.evaluate(batch)
         self.metrics.log(module, split, result.loss, result.tokens, _rows(batch), result.weights, result.terms)
@@ -277,8 +301,7 @@ class PipelineRun:
             self._check_same_batch(batch, f"the first batch of epoch {module.trainer.current_epoch}")
             self.engine.reset_state("train")
             self.metrics.start_epoch()
-        if self._plan_at_first_batch is not None:
-            self._plan_memory_from(module, batch)
+        self.see_batch(module, batch, "train")
         if self.verifier is not None and not self.verifier.done:
             self._verify(module, batch, precision, device)
         self.step_clock.tick(batch)
@@ -320,13 +343,12 @@ def _purpose(fn: TrainerFn) -> str:
     return {TrainerFn.FITTING: "fit", TrainerFn.PREDICTING: "predict"}.get(fn, "evaluate")
 
 
-def _unplanned(datamodule: Any, purpose: str) -> str:
+def _unplanned(datamodule: Any) -> str:
     """Why a run has no memory plan yet: its data does not say its batches' shape."""
     source = (f"{type(datamodule).__name__} does not say its" if datamodule is not None else
               "the dataloaders given to the Trainer do not say their")
-    then = ("planned from the first training batch: a larger batch later" if purpose == "fit" else
-            "not planned: a batch too large for a process")
-    return (f"memory per process: {then} is found only by running it ({source} batches' shape: "
+    return ("memory per process: planned from the first batches: a larger batch later is found only by running it "
+            f"({source} batches' shape: "
             "batch_size and bucket_lengths, as LMDataModule gives them: "
             "lightning_mp_lstm.models.contract.PipelineData)")
 

@@ -349,6 +349,7 @@ class MPLSTMStrategy(ParallelStrategy):
         """The model's predictions of the batch (for a language model: per-token target log-probabilities,
         next-token ids and the target mask), identical on every rank of a replica and row for row the batch Lightning
         gave this process (:meth:`~lightning_mp_lstm.pipeline.engine.PipelineEngine.predict`)."""
+        self._run.see_batch(self.lightning_module, batch, "eval")
         with self.precision_plugin.predict_step_context():
             return self.engine.predict(batch)
 
