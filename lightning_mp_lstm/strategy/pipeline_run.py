@@ -237,7 +237,7 @@ class PipelineRun:
 
     def _plan_from(self, module: Any, blocks: PipelineModel, source: Any, device: torch.device,
                    local_processes: int) -> None:
-        purpose = self.memory_purpose or "fit"
+        purpose = self.memory_purpose  # set by _plan_memory, which every plan starts from
         if purpose == "fit" and isinstance(source, BatchShape) and "train" not in self._seen:
             purpose = "evaluate"  # a fit's sanity-check validation: no gradient or optimizer state yet
         self.memory, chosen = result_from(0, lambda: plan_memory_of_run(
@@ -348,8 +348,7 @@ def _unplanned(datamodule: Any) -> str:
     source = (f"{type(datamodule).__name__} does not say its" if datamodule is not None else
               "the dataloaders given to the Trainer do not say their")
     return ("memory per process: planned from the first batches: a larger batch later is found only by running it "
-            f"({source} batches' shape: "
-            "batch_size and bucket_lengths, as LMDataModule gives them: "
+            f"({source} batches' shape: batch_size and bucket_lengths, as LMDataModule gives them: "
             "lightning_mp_lstm.models.contract.PipelineData)")
 
 
