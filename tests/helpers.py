@@ -272,6 +272,16 @@ def fit_and_record(strategy: Any, devices: int, model: pl.LightningModule, data:
             "grads": grads.steps, "val": val}
 
 
+def evaluate_in_inference_mode(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+    """Make Lightning evaluate under ``torch.inference_mode``, as it does on one device and with NCCL: in a rank
+    process for good, in the test's own process through ``monkeypatch``. With a gloo group it evaluates under
+    ``torch.no_grad`` instead (``lightning.pytorch.loops.utilities._no_grad_context``), so CPU ranks would never meet
+    the inference tensors an evaluation makes; a fit's validation runs without inference mode everywhere."""
+    import lightning.pytorch.loops.utilities as loops
+
+    (monkeypatch or pytest.MonkeyPatch()).setattr(loops, "_distributed_is_initialized", lambda: False)
+
+
 def cpu_engine(module: torch.nn.Module, layout: Any, rank: int) -> Any:
     """The pipeline engine of ``rank`` for ``module`` on ``layout``: a CPU mesh, an even partition."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lightning_mp_lstm.models.metrics as metrics_module
-from lightning_mp_lstm.models.metrics import LanguageModelMetrics
+from lightning_mp_lstm.models.metrics import LanguageModelMetrics, TokenMean
 from tests.helpers import FixedBatches, quiet_trainer, tiny_model
 
 
@@ -61,3 +61,18 @@ def test_the_epoch_speed_is_the_mean_of_every_step_logged_or_not(monkeypatch):
     epoch = speeds[4, "train/tokens_per_s_epoch"]  # the metric Lightning computes at the epoch's end
     assert float(epoch.compute()) == pytest.approx((100 + 50 + 25 + 20) / 4)
     assert epoch._update_count == 2  # updated at the two logging steps only (its NaN check reads the device)
+
+
+def test_a_token_mean_made_under_inference_mode_adds_up_outside_it():
+    """``Trainer.validate`` evaluates under inference mode (one device, NCCL), a fit's validation without it: a mean
+    made (or reset) by the first is updated by the second, which an in-place update of its states refused."""
+    with torch.inference_mode():
+        mean = TokenMean()
+        mean.update(torch.tensor(2.0), torch.tensor(3.0))
+    with torch.no_grad():
+        mean.update(torch.tensor(4.0), torch.tensor(1.0))
+    assert float(mean.compute()) == pytest.approx((2 * 3 + 4 * 1) / 4)
+    with torch.inference_mode():
+        mean.reset()
+    mean.update(torch.tensor(5.0), torch.tensor(2.0))
+    assert float(mean.compute()) == pytest.approx(5.0)

@@ -79,8 +79,10 @@ class TokenMean(Metric):
 
     @override
     def update(self, mean: torch.Tensor, weight: torch.Tensor, count: torch.Tensor | None = None) -> None:
-        self.total += mean.detach().to(torch.float64) * weight
-        self.count += weight if count is None else count
+        # Out of place: states made under an evaluation's inference mode (``Trainer.validate``) are inference
+        # tensors, which a fit's validation (run without it) may not update in place.
+        self.total = self.total + mean.detach().to(torch.float64) * weight
+        self.count = self.count + (weight if count is None else count)
 
     @override
     def compute(self) -> torch.Tensor:
