@@ -1,12 +1,14 @@
 """A Trainer's calls in any order train what one process trains: ``validate`` before ``fit``, ``validate`` between two
 ``fit`` calls. Lightning runs ``Trainer.validate`` under inference mode (on one device and with NCCL; with gloo under
-``no_grad``) and a fit's validation without it, so what one evaluation makes must serve the next."""
+``no_grad``) and a fit's validation without it, so what one evaluation makes must serve the next. An evaluation of
+several dataloaders gives each its own loss."""
 
 from __future__ import annotations
 
 import warnings
 
 import pytest
+from torch.utils.data import DataLoader
 
 import lightning_mp_lstm  # noqa: F401  (registers "mp_lstm")
 from lightning_mp_lstm import MPLSTMStrategy
@@ -15,6 +17,7 @@ from tests.helpers import (
     ValLosses,
     assert_ranks_match,
     evaluate_in_inference_mode,
+    lm_batches,
     parameters_of,
     quiet_trainer,
     run_ranks,
@@ -88,3 +91,54 @@ def test_a_pipeline_validates_fits_and_validates_between_fits_as_one_process(ref
         assert result["steps"] == 2 * STEPS, rank
         assert result["validations"] == pytest.approx(reference["validations"], rel=1e-5), rank
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5), rank
+
+
+def _validation_sets() -> list[list]:
+    return [lm_batches(8, (6, 9), seed=4), lm_batches(8, (5, 7, 7), seed=11)]
+
+
+class _SeveralValidationSets(FixedBatches):
+    def __init__(self, which: int | None = None) -> None:
+        super().__init__()
+        self.which = which
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        sets = [self._shard(batches) for batches in _validation_sets()]
+        return sets if self.which is None else sets[self.which]
+
+
+def _validate_two_sets(strategy, devices: int, carry_state: bool = True) -> dict:
+    warnings.filterwarnings("ignore")
+    model, trainer = tiny_model(num_layers=3, carry_state=carry_state), quiet_trainer(strategy, devices)
+    together = trainer.validate(model, datamodule=_SeveralValidationSets(), verbose=False)
+    alone = [trainer.validate(model, datamodule=_SeveralValidationSets(which), verbose=False)[0] for which in (0, 1)]
+    return {"together": together, "alone": alone}
+
+
+def _validate_two_sets_worker(rank: int, world_size: int) -> dict:
+    return _validate_two_sets(MPLSTMStrategy(schedule="1F1B", n_microbatches=2), world_size)
+
+
+def _assert_each_set_as_alone(result: dict) -> None:
+    for which, (together, alone) in enumerate(zip(result["together"], result["alone"], strict=True)):
+        for name in ("val/loss", "val/ppl"):
+            assert together[f"{name}/dataloader_idx_{which}"] == pytest.approx(alone[name], rel=1e-6), (which, name)
+
+
+@pytest.mark.parametrize("carry_state", [False, True])
+def test_each_of_several_validation_sets_has_its_own_loss_in_one_process(carry_state):
+    """The second set's loss was the mean over both sets (one mean for every dataloader); a model that carries its
+    state across batches starts each set afresh, as when it is validated alone."""
+    result = _validate_two_sets("auto", 1, carry_state)
+    _assert_each_set_as_alone(result)
+    assert abs(result["alone"][0]["val/loss"] - result["alone"][1]["val/loss"]) > 1e-3  # the sets differ
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.processes
+def test_each_of_several_validation_sets_has_its_own_loss_on_a_pipeline():
+    reference = _validate_two_sets("auto", 1)
+    for result in run_ranks(_validate_two_sets_worker, 2, timeout=180):
+        _assert_each_set_as_alone(result)
+        for alone, expected in zip(result["alone"], reference["alone"], strict=True):
+            assert alone == pytest.approx(expected, rel=1e-5)

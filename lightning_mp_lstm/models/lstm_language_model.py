@@ -254,15 +254,19 @@ class LSTMLanguageModel(pl.LightningModule):
         return loss
 
     @override
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        if batch_idx == 0:
+            self._state.pop("eval", None)  # each dataloader starts the stream again
         loss, tokens = self._loss(batch, "eval")
-        self.metrics.log(self, "val", loss, tokens, rows=int(batch[0].shape[0]))
+        self.metrics.log(self, "val", loss, tokens, rows=int(batch[0].shape[0]), dataloader_idx=dataloader_idx)
         return loss
 
     @override
-    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        if batch_idx == 0:
+            self._state.pop("eval", None)  # each dataloader starts the stream again
         loss, tokens = self._loss(batch, "eval")
-        self.metrics.log(self, "test", loss, tokens, rows=int(batch[0].shape[0]))
+        self.metrics.log(self, "test", loss, tokens, rows=int(batch[0].shape[0]), dataloader_idx=dataloader_idx)
         return loss
 
     @override

@@ -109,7 +109,7 @@ class LanguageModelMetrics:
         self.name, self.reduction = name, reduction
         self.train_flags = dict(train_flags or {})
         self.train_names: dict[str, list[str]] = {}
-        self._means: dict[tuple[str, str], Metric] = {}
+        self._means: dict[tuple, Metric] = {}
         self._last_step: float | None = None
         self._tokens: torch.Tensor | None = None  # since the speed was last logged
         self._seconds = 0.0
@@ -143,7 +143,7 @@ class LanguageModelMetrics:
 
     def log(self, module: Any, split: str, loss: torch.Tensor, tokens: torch.Tensor, rows: int,
             weights: torch.Tensor | None = None, terms: dict[str, torch.Tensor] | None = None,
-            rows_are_global: bool = True) -> None:
+            rows_are_global: bool = True, dataloader_idx: int = 0) -> None:
         """Log a batch's loss ``loss`` over ``tokens`` target tokens (``rows`` sequences), and its named ``terms``.
 
         Training: the loss and terms per step (or as :attr:`train_flags` says); tokens per second from the second
@@ -157,6 +157,8 @@ class LanguageModelMetrics:
             weights: the global batch's ``[tokens, sequences]`` (``None``: ``tokens`` and ``rows``).
             rows_are_global: ``rows`` is the global batch's (every replica given all of it); else a replica's share,
                 and an epoch's mean weighs each step by the global batch's sequences.
+            dataloader_idx: which of an evaluation's dataloaders the batch is from: each has its own means (Lightning
+                logs them under names ending ``/dataloader_idx_{i}`` when there are several).
         """
         terms = terms or {}
         if split == "train":
@@ -177,13 +179,15 @@ class LanguageModelMetrics:
             return
         sequences = weights[1] if weights is not None else torch.full((), rows, device=loss.device)
         weight = {"token_mean": tokens, "sequence_mean": sequences}.get(self.reduction, torch.ones_like(tokens))
+        loader = f"_{dataloader_idx}" if dataloader_idx else ""
         for metric, value, count in (("loss", loss, None), ("ppl", loss, tokens),
                                      *((term, value, None) for term, value in terms.items())):
-            mean = self._metric((split, metric), loss.device, lambda m=metric: TokenMean(exp=m == "ppl"))
+            mean = self._metric((split, metric, dataloader_idx), loss.device,
+                                lambda m=metric: TokenMean(exp=m == "ppl"))
             mean.update(value, weight, count)
             module.log(self.name.format(split=split, metric=metric), mean, on_step=False, on_epoch=True,
                        prog_bar=split == "val" and metric in ("loss", "ppl"),
-                       metric_attribute=f"_lm_metrics_{split}_{metric}")
+                       metric_attribute=f"_lm_metrics_{split}_{metric}{loader}")
 
     def _log_speed(self, module: Any, tokens: torch.Tensor) -> None:
         now = time.perf_counter()

@@ -283,14 +283,18 @@ class PipelineRun:
                          rows_are_global=self.engine.global_batches or self.layout.data_parallel_size == 1)
         return result.loss
 
-    def evaluate(self, module: Any, batch: Any, batch_idx: int, split: str, context: Any) -> Tensor:
-        """The loss of a validation or test batch (no gradients), logged under ``split``."""
-        if batch_idx == 0:
+    def evaluate(self, module: Any, batch: Any, batch_idx: int, split: str, context: Any,
+                 dataloader_idx: int = 0) -> Tensor:
+        """The loss of a validation or test batch (no gradients), logged under ``split`` (each of several
+        dataloaders on its own: ``dataloader_idx``)."""
+        if batch_idx == 0:  # each dataloader's first batch
             self._check_same_batch(batch, f"the first {split} batch")
+            self.engine.reset_state("eval")  # each dataloader starts the stream again
         self.see_batch(module, batch, "eval")
         with context:
             result = self.engine.evaluate(batch)
-        self.metrics.log(module, split, result.loss, result.tokens, _rows(batch), result.weights, result.terms)
+        self.metrics.log(module, split, result.loss, result.tokens, _rows(batch), result.weights, result.terms,
+                         dataloader_idx=dataloader_idx)
         return result.loss
 
     def start_batch(self, module: Any, batch: Any, batch_idx: int, precision: PipelinePrecision,

@@ -337,12 +337,12 @@ class MPLSTMStrategy(ParallelStrategy):
     @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
         return self._run.evaluate(self.lightning_module, batch, batch_idx, "val",
-                                  self.precision_plugin.val_step_context())
+                                  self.precision_plugin.val_step_context(), _dataloader_idx(args, kwargs))
 
     @override
     def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
         return self._run.evaluate(self.lightning_module, batch, batch_idx, "test",
-                                  self.precision_plugin.test_step_context())
+                                  self.precision_plugin.test_step_context(), _dataloader_idx(args, kwargs))
 
     @override
     def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
@@ -558,3 +558,9 @@ class MPLSTMStrategy(ParallelStrategy):
         if cls.strategy_name not in strategy_registry or strategy_registry[cls.strategy_name]["strategy"] is not cls:
             strategy_registry.register(cls.strategy_name, cls, override=True,
                                        description="pipeline (x data x tensor) parallel training of LSTM models")
+
+
+def _dataloader_idx(args: tuple, kwargs: dict) -> int:
+    """Which of an evaluation's dataloaders a step's batch is from: Lightning passes it after ``batch_idx`` when
+    there are several (and the module's step takes it)."""
+    return int(args[0]) if args else int(kwargs.get("dataloader_idx", 0))
