@@ -16,6 +16,7 @@ from tests.helpers import (
     FixedBatches,
     ValLosses,
     assert_ranks_match,
+    assert_same_predictions,
     evaluate_in_inference_mode,
     lm_batches,
     parameters_of,
@@ -106,13 +107,19 @@ class _SeveralValidationSets(FixedBatches):
         sets = [self._shard(batches) for batches in _validation_sets()]
         return sets if self.which is None else sets[self.which]
 
+    predict_dataloader = val_dataloader
+
 
 def _validate_two_sets(strategy, devices: int, carry_state: bool = True) -> dict:
     warnings.filterwarnings("ignore")
-    model, trainer = tiny_model(num_layers=3, carry_state=carry_state), quiet_trainer(strategy, devices)
+    # Weights of up to 1 (not 0.1): the state a set starts from then shows in its predictions, not only its loss.
+    model = tiny_model(num_layers=3, carry_state=carry_state, init_range=1.0)
+    trainer = quiet_trainer(strategy, devices)
     together = trainer.validate(model, datamodule=_SeveralValidationSets(), verbose=False)
     alone = [trainer.validate(model, datamodule=_SeveralValidationSets(which), verbose=False)[0] for which in (0, 1)]
-    return {"together": together, "alone": alone}
+    predicted = trainer.predict(model, datamodule=_SeveralValidationSets())
+    predicted_alone = [trainer.predict(model, datamodule=_SeveralValidationSets(which)) for which in (0, 1)]
+    return {"together": together, "alone": alone, "predicted": predicted, "predicted_alone": predicted_alone}
 
 
 def _validate_two_sets_worker(rank: int, world_size: int) -> dict:
@@ -123,12 +130,14 @@ def _assert_each_set_as_alone(result: dict) -> None:
     for which, (together, alone) in enumerate(zip(result["together"], result["alone"], strict=True)):
         for name in ("val/loss", "val/ppl"):
             assert together[f"{name}/dataloader_idx_{which}"] == pytest.approx(alone[name], rel=1e-6), (which, name)
+    for which, alone in enumerate(result["predicted_alone"]):
+        assert_same_predictions(result["predicted"][which], alone)
 
 
 @pytest.mark.parametrize("carry_state", [False, True])
 def test_each_of_several_validation_sets_has_its_own_loss_in_one_process(carry_state):
     """The second set's loss was the mean over both sets (one mean for every dataloader); a model that carries its
-    state across batches starts each set afresh, as when it is validated alone."""
+    state across batches starts each set afresh, as when it is validated (or predicts) alone."""
     result = _validate_two_sets("auto", 1, carry_state)
     _assert_each_set_as_alone(result)
     assert abs(result["alone"][0]["val/loss"] - result["alone"][1]["val/loss"]) > 1e-3  # the sets differ
@@ -142,3 +151,5 @@ def test_each_of_several_validation_sets_has_its_own_loss_on_a_pipeline():
         _assert_each_set_as_alone(result)
         for alone, expected in zip(result["alone"], reference["alone"], strict=True):
             assert alone == pytest.approx(expected, rel=1e-5)
+        for alone, expected in zip(result["predicted_alone"], reference["predicted_alone"], strict=True):
+            assert_same_predictions(alone, expected)

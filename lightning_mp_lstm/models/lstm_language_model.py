@@ -277,6 +277,8 @@ class LSTMLanguageModel(pl.LightningModule):
             dict with ``log_probs`` (B, T) float, ``next_token`` (B, T) int64 and ``mask`` (B, T) bool (True on
             real tokens).
         """
+        if batch_idx == 0:
+            self._state.pop("eval", None)  # each dataloader starts the stream again
         hidden, ended = self.features(batch[0], self._carried("eval"))
         self._keep("eval", ended)
         return decoded_predictions(hidden, self.decoder, batch[1], 0, self.hparams.loss_chunk_tokens)
@@ -285,18 +287,6 @@ class LSTMLanguageModel(pl.LightningModule):
     def on_train_epoch_start(self) -> None:
         self.metrics.start_epoch()
         self._state.pop("train", None)
-
-    @override
-    def on_validation_epoch_start(self) -> None:
-        self._state.pop("eval", None)
-
-    @override
-    def on_test_epoch_start(self) -> None:
-        self._state.pop("eval", None)
-
-    @override
-    def on_predict_epoch_start(self) -> None:
-        self._state.pop("eval", None)
 
     def _fused_allowed(self) -> bool:
         """Whether the optimizer may take torch's fused kernel: not where Lightning's mixed-precision plugin will clip

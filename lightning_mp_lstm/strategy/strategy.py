@@ -345,10 +345,12 @@ class MPLSTMStrategy(ParallelStrategy):
                                   self.precision_plugin.test_step_context(), _dataloader_idx(args, kwargs))
 
     @override
-    def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+    def predict_step(self, batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         """The model's predictions of the batch (for a language model: per-token target log-probabilities,
         next-token ids and the target mask), identical on every rank of a replica and row for row the batch Lightning
         gave this process (:meth:`~lightning_mp_lstm.pipeline.engine.PipelineEngine.predict`)."""
+        if batch_idx == 0:
+            self.engine.reset_state("eval")  # each dataloader starts the stream again
         self._run.see_batch(self.lightning_module, batch, "eval")
         with self.precision_plugin.predict_step_context():
             return self.engine.predict(batch)
@@ -362,12 +364,6 @@ class MPLSTMStrategy(ParallelStrategy):
         """Time every stage at the shape of the batch the step clock kept (a collective, off the training path) and
         report on rank 0."""
         self._run.end_training(self.precision_plugin, self.root_device)
-
-    @override
-    def on_validation_start(self) -> None:
-        self.engine.reset_state("eval")  # every evaluation starts the stream again
-
-    on_test_start = on_predict_start = on_validation_start
 
     # ----- checkpoints: the run's format (one file, or sharded) --------------------------------------------
     @override
