@@ -48,7 +48,7 @@ from lightning_mp_lstm.strategy.pipeline_setup import (
 )
 from lightning_mp_lstm.strategy.precision import PipelinePrecision
 
-__all__ = ["PipelineRun"]
+__all__ = ["PipelineRun", "dataloader_index"]
 
 #: The modules a run split (pruned to its process's blocks), with that run's layout: another strategy cannot run them.
 _SPLIT: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -365,3 +365,9 @@ def _sizes(layout: ParallelLayout) -> str:
 def _rows(batch: Any) -> int:
     """Sequences in this replica's batch (for Lightning's logging weights)."""
     return int(batch[0].shape[0])
+
+
+def dataloader_index(args: tuple, kwargs: dict) -> int:
+    """Which of an evaluation's dataloaders a step's batch is from, given what Lightning passes a step after
+    ``batch_idx``: the index when there are several (and the module's step takes it)."""
+    return int(args[0]) if args else int(kwargs.get("dataloader_idx", 0))

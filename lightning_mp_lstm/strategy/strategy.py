@@ -44,7 +44,7 @@ from lightning_mp_lstm.strategy.batches import seed_workers_by_replica
 from lightning_mp_lstm.strategy.collectives import barrier, broadcast_object, reduce_tensor
 from lightning_mp_lstm.strategy.launcher import JobLauncher, count_job_call, job_released
 from lightning_mp_lstm.strategy.options import ProcessOptions
-from lightning_mp_lstm.strategy.pipeline_run import PipelineRun
+from lightning_mp_lstm.strategy.pipeline_run import PipelineRun, dataloader_index
 from lightning_mp_lstm.strategy.pipeline_setup import (
     check_callbacks,
     explain_optimizer_error,
@@ -337,12 +337,12 @@ class MPLSTMStrategy(ParallelStrategy):
     @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
         return self._run.evaluate(self.lightning_module, batch, batch_idx, "val",
-                                  self.precision_plugin.val_step_context(), _dataloader_idx(args, kwargs))
+                                  self.precision_plugin.val_step_context(), dataloader_index(args, kwargs))
 
     @override
     def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
         return self._run.evaluate(self.lightning_module, batch, batch_idx, "test",
-                                  self.precision_plugin.test_step_context(), _dataloader_idx(args, kwargs))
+                                  self.precision_plugin.test_step_context(), dataloader_index(args, kwargs))
 
     @override
     def predict_step(self, batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
@@ -554,9 +554,3 @@ class MPLSTMStrategy(ParallelStrategy):
         if cls.strategy_name not in strategy_registry or strategy_registry[cls.strategy_name]["strategy"] is not cls:
             strategy_registry.register(cls.strategy_name, cls, override=True,
                                        description="pipeline (x data x tensor) parallel training of LSTM models")
-
-
-def _dataloader_idx(args: tuple, kwargs: dict) -> int:
-    """Which of an evaluation's dataloaders a step's batch is from: Lightning passes it after ``batch_idx`` when
-    there are several (and the module's step takes it)."""
-    return int(args[0]) if args else int(kwargs.get("dataloader_idx", 0))
